@@ -1,0 +1,124 @@
+"""``dflash <stage>``: run one stage's package function on explicit paths, without Snakemake.
+
+Each subcommand calls exactly what the stage's rule script calls, with the stage's section of a
+validated config file, so one shard can be run or debugged by hand.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dflash.config import ConfigError, load_config
+from dflash.workflow import drafter_train_cfg, layer_selection, set_threads, setup_logging
+
+
+def _prompts(cfg, a):
+    from dflash.prompts import build_prompts
+
+    build_prompts(cfg["prompts"]["sources"], a.out, cfg["prompts"]["shard_size"])
+
+
+def _target(cfg, a):
+    from dflash.target import build_target
+
+    build_target([s["path"] for s in cfg["prompts"]["sources"]], a.out, cfg["target"]["build"])
+
+
+def _generate(cfg, a):
+    from dflash.generate import generate_shard
+
+    generate_shard(a.prompts, a.out, a.target, cfg["generate"])
+
+
+def _validate(cfg, a):
+    from dflash.validate import validate_shard
+
+    validate_shard(a.completions, a.validated, a.rejected, a.qa, cfg["validate"])
+
+
+def _tokenize(cfg, a):
+    from transformers import AutoTokenizer
+
+    from dflash.tokenize import tokenize_shard
+
+    tokenize_shard(a.validated, a.out, a.index, AutoTokenizer.from_pretrained(a.target), cfg["tokenize"])
+
+
+def _hidden(cfg, a):
+    from dflash.hidden import capture_shard
+
+    capture_shard(a.tokenized, a.out, a.target, layer_selection(cfg["drafter"]), cfg["hidden"]["dtype"])
+
+
+def _train(cfg, a):
+    from dflash.train import train
+
+    train(a.tokenized, a.hidden, a.target, a.out, drafter_train_cfg(cfg, a.target))
+
+
+def _eval(cfg, a):
+    from dflash.eval import run_eval
+
+    run_eval(a.checkpoint, a.target, a.heldout, a.out, cfg["eval"])
+
+
+def _report(cfg, a):
+    from dflash.report import write_report
+
+    write_report(cfg, a.manifest, a.qa, a.tokenized, a.checkpoint, a.eval, a.html, a.json)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dflash",
+        description="Run one pipeline stage on explicit paths, exactly as its Snakemake rule does.",
+    )
+    sub = p.add_subparsers(dest="stage", required=True, metavar="STAGE")
+
+    def stage(name, fn, help, *args):
+        s = sub.add_parser(name, help=help, description=help)
+        s.add_argument("--config", default="config.yaml", type=Path, help="pipeline config (default: config.yaml)")
+        s.add_argument("--threads", type=int, default=None, help="torch threads (default: the config's)")
+        for flag, kw in args:
+            s.add_argument(flag, **kw)
+        s.set_defaults(fn=fn)
+
+    path = {"type": Path, "required": True}
+    paths = {"type": Path, "nargs": "+", "required": True}
+    target = ("--target", {"type": Path, "required": True, "help": "target model folder"})
+    stage("prompts", _prompts, "source files of the config -> prompt shards folder", ("--out", path))
+    stage("target", _target, "build and teach the tiny demo target", ("--out", path))
+    stage("generate", _generate, "prompt shard -> completion shard",
+          ("--prompts", path), target, ("--out", path))
+    stage("validate", _validate, "completion shard -> validated, rejected shards + QA JSON",
+          ("--completions", path), ("--validated", path), ("--rejected", path), ("--qa", path))
+    stage("tokenize", _tokenize, "validated shard -> tokenized rows (.safetensors + .json index)",
+          ("--validated", path), target, ("--out", path), ("--index", path))
+    stage("hidden", _hidden, "tokenized shard -> selected target layer features",
+          ("--tokenized", path), target, ("--out", path))
+    stage("train", _train, "tokenized + hidden shards -> drafter checkpoint folder",
+          ("--tokenized", paths), ("--hidden", paths), target, ("--out", path))
+    stage("eval", _eval, "held-out prompts -> acceptance length per category (JSON)",
+          ("--checkpoint", path), target, ("--heldout", path), ("--out", path))
+    stage("report", _report, "stage outputs -> summary HTML + JSON",
+          ("--manifest", path), ("--qa", paths), ("--tokenized", paths), ("--checkpoint", path),
+          ("--eval", path), ("--html", path), ("--json", path))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    setup_logging()
+    try:
+        cfg = load_config(args.config)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"dflash {args.stage}: {e}", file=sys.stderr)
+        return 2
+    set_threads(args.threads or cfg["threads"])
+    args.fn(cfg, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

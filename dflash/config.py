@@ -1,0 +1,90 @@
+"""Config loading: the JSON Schema shipped in the package validates and fills every config.
+
+The same function serves the Snakefile and the ``dflash`` CLI, so a config that passes one
+passes the other. Errors name the file and the key path, with a suggestion for a misspelt key.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import re
+from importlib import resources
+from pathlib import Path
+
+import yaml
+from jsonschema import Draft202012Validator, validators
+
+SCHEMA_FILE = "schemas/config.schema.yaml"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def schema_path() -> Path:
+    return Path(str(resources.files("dflash").joinpath(SCHEMA_FILE)))
+
+
+def load_schema() -> dict:
+    return yaml.safe_load(schema_path().read_text(encoding="utf-8"))
+
+
+def _with_defaults(cls):
+    """A validator that fills ``default`` values of missing properties before checking them."""
+    check_properties = cls.VALIDATORS["properties"]
+
+    def properties(validator, props, instance, schema):
+        if isinstance(instance, dict):
+            for name, sub in props.items():
+                if "default" in sub and name not in instance:
+                    instance[name] = copy.deepcopy(sub["default"])
+        yield from check_properties(validator, props, instance, schema)
+
+    return validators.extend(cls, {"properties": properties})
+
+
+_Filling = _with_defaults(Draft202012Validator)
+
+
+def _allowed_keys(schema: dict, path: list) -> list[str]:
+    node = schema
+    for part in path:
+        if isinstance(part, int):
+            node = node.get("items", {})
+        else:
+            node = node.get("properties", {}).get(part, {})
+    return sorted(node.get("properties", {}))
+
+
+def _describe(error, schema: dict, source: str) -> str:
+    where = ".".join(str(p) for p in error.absolute_path) or "top level"
+    if error.validator == "additionalProperties":
+        unknown = re.findall(r"'([^']+)'", error.message.split("(")[-1])
+        allowed = _allowed_keys(schema, list(error.absolute_path))
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hints.append(f"unknown key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+        return f"{source}: at {where}: {'; '.join(hints)}. Allowed keys: {', '.join(allowed)}"
+    return f"{source}: at {where}: {error.message}"
+
+
+def check_config(config: dict, source: str = "config") -> dict:
+    """Validate ``config`` in place against the schema, filling defaults; raise ConfigError."""
+    schema = load_schema()
+    errors = sorted(_Filling(schema).iter_errors(config), key=lambda e: list(e.absolute_path))
+    if errors:
+        lines = [_describe(e, schema, source) for e in errors]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines))
+    return config
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> dict:
+    path = Path(path)
+    try:
+        config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if overrides:
+        config.update(overrides)
+    return check_config(config, source=str(path))

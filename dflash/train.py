@@ -1,0 +1,385 @@
+"""Train a DFlash drafter from tokenized shards and their cached target hidden states.
+
+Objective (SpecForge ``OnlineDFlashModel``): every step, each row gets up to ``num_anchors``
+random anchors ``a`` among the positions with ``loss_mask[a] and loss_mask[a + 1]``. The block
+at ``a`` is ``[input_ids[a], MASK x (B-1)]`` at positions ``a .. a+B-1``; it sees the fused
+target features of positions ``< a`` and predicts ``input_ids[a + k]`` for ``k = 1 .. B-1``
+through the target's frozen lm_head. Position ``k`` weighs
+``loss_mask[a + k] * (a + k < T) * exp(-(k - 1) / gamma)`` and ``loss = sum(w * CE) / sum(w)``.
+
+``cfg`` keys (the config's ``drafter`` and ``train`` sections merged; unknown keys are errors):
+
+drafter architecture (``None`` = take the target's value)
+    num_layers: int = 5                   draft decoder layers
+    intermediate_size: int | None = None  MLP width
+    num_heads: int | None = None          attention heads
+    num_kv_heads: int | None = None       key/value heads
+    head_dim: int | None = None
+    block_size: int = 16                  tokens per block (anchor + block_size-1 drafted)
+    mask_token_id: int (required)         id fed for the not-yet-drafted block positions
+    target_layer_ids: list[int] | None = None   None = reference formula (build_target_layer_ids)
+    layer_types: list[str] | None = None  per layer "full_attention" | "sliding_attention";
+                                          None = all full attention
+    sliding_window: int = 2048            window of the sliding-attention layers
+training
+    steps: int = 1000                     optimizer steps
+    batch_size: int = 4                   rows per step
+    lr: float = 6e-4                      peak learning rate
+    warmup_ratio: float = 0.04            fraction of steps with linear warmup
+    min_lr_ratio: float = 0.1             cosine decay floor, as a fraction of lr
+    weight_decay: float = 0.0             AdamW decay of the matrices (not norms)
+    grad_clip: float | None = 1.0         max global grad norm; None = no clipping
+    num_anchors: int = 512                blocks per row and step (fewer if the row has fewer)
+    loss_decay_gamma: float | None = 7.0  position weight exp(-(k-1)/gamma); None = uniform
+    seed: int = 0                         model init, row order and anchors
+    log_every: int = 10                   steps per train_log.jsonl line
+    device: str = "auto"                  "auto" = cuda when available, else cpu
+
+Output directory (written under a temporary name, renamed when complete):
+``config.json`` + ``model.safetensors`` (the drafter, reference layout), ``train_log.jsonl``
+(``step, loss, acc, lr, position_acc, tokens_per_s``, averaged since the previous line;
+``position_acc[k-1]`` is the top-1 accuracy at block position k, null if none was supervised;
+``tokens_per_s`` counts supervised block positions),
+``trainer_state.json`` (``steps, first_loss, final_loss, seconds, cfg, data``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config, write_drafter
+from dflash.io import atomic_dir
+from dflash.workflow import progress
+
+REQUIRED = object()
+DEFAULTS: dict[str, Any] = {
+    "num_layers": 5,
+    "intermediate_size": None,
+    "num_heads": None,
+    "num_kv_heads": None,
+    "head_dim": None,
+    "block_size": 16,
+    "mask_token_id": REQUIRED,
+    "target_layer_ids": None,
+    "layer_types": None,
+    "sliding_window": 2048,
+    "steps": 1000,
+    "batch_size": 4,
+    "lr": 6e-4,
+    "warmup_ratio": 0.04,
+    "min_lr_ratio": 0.1,
+    "weight_decay": 0.0,
+    "grad_clip": 1.0,
+    "num_anchors": 512,
+    "loss_decay_gamma": 7.0,
+    "seed": 0,
+    "log_every": 10,
+    "device": "auto",
+}
+ARCH_KEYS = ("num_layers", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "block_size",
+             "mask_token_id", "target_layer_ids", "layer_types", "sliding_window")
+# Sizes that default to the target's own.
+_FROM_TARGET = {"intermediate_size": "intermediate_size", "num_heads": "num_attention_heads",
+                "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim"}
+
+
+def resolve_cfg(cfg: dict) -> dict:
+    unknown = sorted(set(cfg) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown drafter/train settings: {unknown}")
+    merged = {**DEFAULTS, **cfg}
+    missing = [k for k, v in merged.items() if v is REQUIRED]
+    if missing:
+        raise ValueError(f"missing required drafter/train settings: {missing}")
+    if merged["steps"] < 1 or merged["batch_size"] < 1 or merged["num_anchors"] < 1 or merged["log_every"] < 1:
+        raise ValueError("steps, batch_size, num_anchors and log_every must be >= 1")
+    return merged
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    shard: int
+    start: int
+    end: int
+    input_ids: torch.Tensor  # int64 [T]
+    loss_mask: torch.Tensor  # bool [T]
+
+
+class ShardData:
+    """Rows of the tokenized shards, with their hidden states read lazily per row."""
+
+    def __init__(self, tokenized: list[Path], hidden: list[Path], target_layer_ids: list[int],
+                 hidden_size: int, target_name: str, log: logging.Logger):
+        if len(tokenized) != len(hidden):
+            raise ValueError(f"{len(tokenized)} tokenized shards but {len(hidden)} hidden shards")
+        self._files = ExitStack()
+        self.handles = []
+        self.rows: list[Row] = []
+        self.summary = {"shards": len(tokenized), "rows": 0, "tokens": 0,
+                        "trainable_rows": 0, "trainable_tokens": 0, "supervised_tokens": 0}
+        try:
+            for shard, (tok_path, hid_path) in enumerate(zip(map(Path, tokenized), map(Path, hidden))):
+                self._add_shard(shard, tok_path, hid_path, target_layer_ids, hidden_size, target_name, log)
+        except BaseException:
+            self.close()
+            raise
+        if not self.rows:
+            raise ValueError("no trainable row has two consecutive supervised tokens: nothing to train on")
+
+    def _add_shard(self, shard, tok_path, hid_path, target_layer_ids, hidden_size, target_name, log):
+        tok = load_file(tok_path)
+        meta_path = tok_path.with_suffix(".json")
+        rows_meta = json.loads(meta_path.read_text())["rows"]
+        offsets = tok["offsets"].long()
+        if len(rows_meta) != len(offsets) - 1:
+            raise ValueError(f"{meta_path}: {len(rows_meta)} rows listed, {tok_path} has {len(offsets) - 1}")
+
+        f = self._files.enter_context(safe_open(hid_path, framework="pt"))
+        meta = f.metadata() or {}
+        layer_ids = json.loads(meta.get("target_layer_ids", "null"))
+        if layer_ids != list(target_layer_ids):
+            raise ValueError(f"{hid_path}: hidden states of target layers {layer_ids}, "
+                             f"the drafter config wants {list(target_layer_ids)}")
+        if meta.get("model") not in (None, target_name):
+            log.warning("%s: hidden states from model %r, training against %r", hid_path, meta["model"], target_name)
+        shape = f.get_slice("hidden_states").get_shape()
+        if shape[1:] != [len(target_layer_ids), hidden_size]:
+            raise ValueError(f"{hid_path}: hidden_states shape {shape}, expected "
+                             f"[T, {len(target_layer_ids)}, {hidden_size}] for this target and drafter")
+        if not torch.equal(f.get_tensor("offsets").long(), offsets):
+            raise ValueError(f"{hid_path}: row offsets differ from {tok_path}")
+        input_ids = tok["input_ids"].long()
+        if not torch.equal(f.get_tensor("input_ids").long(), input_ids) or shape[0] != len(input_ids):
+            raise ValueError(f"{hid_path}: input_ids differ from {tok_path}")
+        self.handles.append(f)
+
+        loss_mask = tok["loss_mask"].bool()
+        for r, row_meta in enumerate(rows_meta):
+            start, end = int(offsets[r]), int(offsets[r + 1])
+            row = Row(shard, start, end, input_ids[start:end], loss_mask[start:end])
+            self.summary["rows"] += 1
+            self.summary["tokens"] += end - start
+            # "trainable" is the row's supervised-token count (a flag in older shards): 0 skips it.
+            if row_meta.get("trainable", True) and len(anchor_candidates(row.loss_mask)) > 0:
+                self.rows.append(row)
+                self.summary["trainable_rows"] += 1
+                self.summary["trainable_tokens"] += end - start
+                self.summary["supervised_tokens"] += int(row.loss_mask.sum())
+
+    def features(self, row: Row) -> torch.Tensor:
+        return self.handles[row.shard].get_slice("hidden_states")[row.start:row.end]
+
+    def close(self) -> None:
+        self._files.close()
+
+    def __enter__(self) -> ShardData:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions whose next token is supervised too, so every block has a label."""
+    return (loss_mask[:-1] & loss_mask[1:]).nonzero().squeeze(1)
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
+    candidates = anchor_candidates(loss_mask)
+    pick = torch.randperm(len(candidates), generator=generator)[:num_anchors]
+    return candidates[pick].sort().values
+
+
+def row_stream(num_rows: int, generator: torch.Generator) -> Iterator[int]:
+    """Row indices, epoch after epoch, each epoch in a fresh random order."""
+    while True:
+        yield from torch.randperm(num_rows, generator=generator).tolist()
+
+
+@dataclass
+class Batch:
+    block_ids: torch.Tensor       # [R, N*B] anchor token then MASKs
+    block_pos: torch.Tensor       # [R, N*B] absolute positions
+    labels: torch.Tensor          # [R, N*B]
+    weights: torch.Tensor         # [R, N*B] 0 = not supervised (slot 0, padding, masked label)
+    context: torch.Tensor         # [R, T, k, H]
+    context_pos: torch.Tensor     # [R, T]
+    context_valid: torch.Tensor   # [R, T]
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(**{k: v.to(device) for k, v in vars(self).items()})
+
+
+def make_batch(rows: list[Row], features: list[torch.Tensor], anchors: list[torch.Tensor],
+               block_size: int, mask_token_id: int, gamma: float | None) -> Batch:
+    """Lay out each row's blocks one after another and pad rows to a common shape; padded
+    blocks keep well-formed positions but zero weight."""
+    R, B = len(rows), block_size
+    N = max(len(a) for a in anchors)
+    T = max(len(r.input_ids) for r in rows)
+    k = torch.arange(B)
+    decay = torch.exp(-(k - 1).clamp(min=0) / gamma) if gamma else torch.ones(B)
+
+    block_ids = torch.full((R, N, B), mask_token_id, dtype=torch.long)
+    block_pos = k.repeat(R, N, 1)
+    labels = torch.zeros((R, N, B), dtype=torch.long)
+    weights = torch.zeros((R, N, B))
+    context = torch.zeros((R, T, *features[0].shape[1:]), dtype=torch.float32)
+    context_valid = torch.zeros((R, T), dtype=torch.bool)
+    for i, (row, feats, a) in enumerate(zip(rows, features, anchors)):
+        n, length = len(a), len(row.input_ids)
+        pos = a[:, None] + k                       # [n, B]
+        inside = pos < length
+        clamped = pos.clamp(max=length - 1)
+        block_ids[i, :n, 0] = row.input_ids[a]
+        block_pos[i, :n] = pos
+        labels[i, :n] = row.input_ids[clamped]
+        weights[i, :n] = (row.loss_mask[clamped] & inside) * decay
+        context[i, :length] = feats.float()
+        context_valid[i, :length] = True
+    weights[:, :, 0] = 0  # slot 0 is the given anchor token, not a prediction
+    return Batch(block_ids.flatten(1), block_pos.flatten(1), labels.flatten(1), weights.flatten(1),
+                 context, torch.arange(T).repeat(R, 1), context_valid)
+
+
+def block_loss(model: DFlashDraftModel, io: TargetIO, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weighted CE, correct top-1 per block position [B], supervised count per position [B])."""
+    hidden = model(io.embed(batch.block_ids), batch.block_pos, batch.context, batch.context_pos, batch.context_valid)
+    R, L = batch.block_ids.shape
+    B = model.block_size
+    w = batch.weights.flatten()
+    sel = w > 0  # anchors and padding never reach the (vocabulary-sized) lm_head
+    logits = io.logits(hidden.flatten(0, 1)[sel]).float()
+    labels = batch.labels.flatten()[sel]
+    loss = (F.cross_entropy(logits, labels, reduction="none") * w[sel]).sum() / w[sel].sum()
+    slot = (torch.arange(L, device=w.device) % B).repeat(R)[sel]
+    hit = logits.argmax(-1) == labels
+    return loss, torch.bincount(slot[hit], minlength=B), torch.bincount(slot, minlength=B)
+
+
+def lr_at(step: int, steps: int, lr: float, warmup_ratio: float, min_lr_ratio: float) -> float:
+    """Linear warmup then cosine decay to ``min_lr_ratio * lr``; ``step`` counts from 0."""
+    warmup = round(warmup_ratio * steps)
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def make_optimizer(model: DFlashDraftModel, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    # nanoGPT convention: decay the matrices, not the norm gains.
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training loop
+# ---------------------------------------------------------------------------------------------
+
+def train(tokenized: list[Path], hidden: list[Path], target_dir: Path, out_dir: Path, cfg: dict,
+          log: logging.Logger | None = None) -> dict:
+    """Train a drafter and write its checkpoint directory; returns a summary dict."""
+    log = log or logging.getLogger(__name__)
+    cfg = resolve_cfg(cfg)
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    device = pick_device(cfg["device"])
+    torch.manual_seed(cfg["seed"])
+    generator = torch.Generator().manual_seed(cfg["seed"])
+
+    target_config = AutoConfig.from_pretrained(target_dir).get_text_config()
+    arch = {k: cfg[k] for k in ARCH_KEYS}
+    for key, target_key in _FROM_TARGET.items():
+        if arch[key] is None:
+            arch[key] = getattr(target_config, target_key)
+    config = make_draft_config(target_config, **arch)
+    layer_ids = config.dflash_config["target_layer_ids"]
+    model = DFlashDraftModel(config).to(device)
+    io = TargetIO.from_pretrained(target_dir).to(device, torch.float32)
+    optimizer = make_optimizer(model, cfg["lr"], cfg["weight_decay"])
+    B, steps = config.block_size, cfg["steps"]
+    log.info("drafter: %d layers, %.2fM trainable params, target layers %s, block %d",
+             config.num_hidden_layers, sum(p.numel() for p in model.parameters()) / 1e6, layer_ids, B)
+
+    start = time.time()
+    first_loss = final_loss = float("nan")
+    with ShardData(tokenized, hidden, layer_ids, target_config.hidden_size, target_dir.name, log) as data, \
+            atomic_dir(out_dir) as tmp, open(tmp / "train_log.jsonl", "w") as log_file:
+        log.info("data: %s", data.summary)
+        rows = row_stream(len(data.rows), generator)
+        window = {"loss": 0.0, "steps": 0, "correct": torch.zeros(B), "count": torch.zeros(B), "t0": time.time()}
+        for step in progress(range(steps), desc="train drafter"):
+            batch_rows = [data.rows[next(rows)] for _ in range(cfg["batch_size"])]
+            anchors = [sample_anchors(r.loss_mask, cfg["num_anchors"], generator) for r in batch_rows]
+            batch = make_batch(batch_rows, [data.features(r) for r in batch_rows], anchors, B,
+                               config.dflash_config["mask_token_id"], cfg["loss_decay_gamma"]).to(device)
+            lr = lr_at(step, steps, cfg["lr"], cfg["warmup_ratio"], cfg["min_lr_ratio"])
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+
+            loss, correct, count = block_loss(model, io, batch)
+            loss.backward()
+            if cfg["grad_clip"]:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+            if step == 0:
+                first_loss = loss.item()
+            window["loss"] += loss.item()
+            window["steps"] += 1
+            window["correct"] += correct.cpu()
+            window["count"] += count.cpu()
+            if (step + 1) % cfg["log_every"] == 0 or step + 1 == steps:
+                final_loss = window["loss"] / window["steps"]
+                record = log_record(step + 1, final_loss, lr, window)
+                log_file.write(json.dumps(record) + "\n")
+                log_file.flush()
+                log.info("step %d loss %.4f acc %.3f lr %.2e", step + 1, final_loss, record["acc"], lr)
+                window = {"loss": 0.0, "steps": 0, "correct": torch.zeros(B), "count": torch.zeros(B),
+                          "t0": time.time()}
+
+        write_drafter(model, config, tmp)
+        seconds = time.time() - start
+        state = {"steps": steps, "first_loss": first_loss, "final_loss": final_loss, "seconds": seconds,
+                 "cfg": cfg, "data": data.summary}
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+
+    return {"steps": steps, "final_loss": final_loss, "first_loss": first_loss,
+            "rows": data.summary["trainable_rows"], "tokens": data.summary["trainable_tokens"],
+            "seconds": seconds}
+
+
+def log_record(step: int, loss: float, lr: float, window: dict) -> dict:
+    correct, count = window["correct"][1:], window["count"][1:]
+    return {
+        "step": step,
+        "loss": loss,
+        "acc": (correct.sum() / count.sum().clamp(min=1)).item(),
+        "lr": lr,
+        "position_acc": [(c / n).item() if n > 0 else None for c, n in zip(correct, count)],
+        "tokens_per_s": count.sum().item() / max(time.time() - window["t0"], 1e-9),
+    }

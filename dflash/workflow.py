@@ -1,0 +1,79 @@
+"""Glue shared by the Snakefile, the rule scripts and the CLI: paths, logging, threads."""
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from dflash.io import read_json
+
+
+def target_dir(config: dict) -> str:
+    """The target model folder: the configured one, or the demo target the pipeline builds."""
+    return config["target"]["path"] or f"{config['output_dir']}/target"
+
+
+def shard_ids(prompts_dir: str | Path) -> list[str]:
+    """Shard numbers ("00000", ...) listed in the prompts manifest."""
+    manifest = read_json(Path(prompts_dir) / "manifest.json")
+    return [s["name"].removeprefix("shard-").split(".")[0] for s in manifest["shards"]]
+
+
+def setup_logging(log_file: str | Path | None = None, level: int = logging.INFO) -> None:
+    """Log to ``log_file`` (Snakemake's per-job log) or stderr, one format everywhere."""
+    handler = logging.FileHandler(log_file, mode="a") if log_file else logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    for noisy in ("httpx", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def start_job(snakemake) -> None:
+    """First call of every rule script: everything (progress bars too) goes to the rule's log."""
+    log_file = snakemake.log[0]
+    Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr = open(log_file, "a", buffering=1)
+    setup_logging(log_file)
+    set_threads(snakemake.threads)
+
+
+def set_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(max(1, int(n)))
+
+
+def layer_selection(drafter_cfg: dict) -> dict:
+    """What decides the captured target layers, and nothing else: a rule param that changes
+    only when the hidden-state cache really has to be rebuilt."""
+    if drafter_cfg["target_layer_ids"]:
+        return {"target_layer_ids": list(drafter_cfg["target_layer_ids"])}
+    return {"target_layer_ids": None, "num_layers": drafter_cfg["num_layers"]}
+
+
+def progress(iterable=None, **kwargs):
+    """tqdm that stays readable in a log file: in a file it redraws every 15 s, not every step."""
+    from tqdm import tqdm
+
+    interactive = sys.stderr.isatty()
+    kwargs.setdefault("mininterval", 1 if interactive else 15)
+    kwargs.setdefault("disable", None if interactive else False)
+    return tqdm(iterable, **kwargs)
+
+
+def drafter_train_cfg(config: dict, target: str | Path) -> dict:
+    """The trainer's settings: the ``drafter`` and ``train`` sections, with the mask token
+    resolved to an id of the target's tokenizer when only its string is configured."""
+    drafter = dict(config["drafter"])
+    token = drafter.pop("mask_token")
+    if drafter["mask_token_id"] is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        mask_id = tokenizer.convert_tokens_to_ids(token)
+        if mask_id is None or mask_id == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(mask_id) != token:
+            raise ValueError(f"drafter.mask_token {token!r} is not a token of {target}; set drafter.mask_token_id")
+        drafter["mask_token_id"] = mask_id
+    return {**drafter, **config["train"]}

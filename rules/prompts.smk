@@ -1,0 +1,17 @@
+checkpoint prompts:
+    """Canonical prompt records, deduplicated and stratified into shards, plus the held-out set."""
+    input:
+        [s["path"] for s in config["prompts"]["sources"]],
+    output:
+        directory(f"{OUT}/prompts"),
+    params:
+        sources=config["prompts"]["sources"],
+        shard_size=config["prompts"]["shard_size"],
+    log:
+        f"{LOGS}/prompts.log",
+    benchmark:
+        f"{BENCH}/prompts.tsv"
+    conda:
+        "../envs/torch.yaml"
+    script:
+        "../scripts/prompts.py"

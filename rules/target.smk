@@ -1,0 +1,18 @@
+rule target:
+    """The tiny demo target: tokenizer, qwen3_5_text model, taught the conversation format.
+    Not used when config target.path names a real model folder."""
+    input:
+        [s["path"] for s in config["prompts"]["sources"]],
+    output:
+        directory(f"{OUT}/target"),
+    params:
+        build=config["target"]["build"],
+    threads: workflow.cores
+    log:
+        f"{LOGS}/target.log",
+    benchmark:
+        f"{BENCH}/target.tsv"
+    conda:
+        "../envs/torch.yaml"
+    script:
+        "../scripts/target.py"

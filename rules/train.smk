@@ -1,0 +1,22 @@
+rule train:
+    """The DFlash drafter, trained on the cached hidden states of every shard."""
+    input:
+        tokenized=per_shard(f"{OUT}/tokenized/shard-{{shard}}.safetensors"),
+        hidden=per_shard(f"{OUT}/hidden/shard-{{shard}}.safetensors"),
+        target=TARGET,
+    output:
+        directory(f"{OUT}/checkpoints/{{run}}"),
+    params:
+        drafter=config["drafter"],
+        train=config["train"],
+    threads: workflow.cores
+    resources:
+        gpu=1,
+    log:
+        f"{LOGS}/train/{{run}}.log",
+    benchmark:
+        f"{BENCH}/train/{{run}}.tsv"
+    conda:
+        "../envs/torch.yaml"
+    script:
+        "../scripts/train.py"

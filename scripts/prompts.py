@@ -1,0 +1,7 @@
+from dflash.workflow import start_job
+
+start_job(snakemake)
+
+from dflash.prompts import build_prompts  # noqa: E402
+
+build_prompts(snakemake.params.sources, snakemake.output[0], snakemake.params.shard_size)

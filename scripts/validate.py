@@ -1,0 +1,8 @@
+from dflash.workflow import start_job
+
+start_job(snakemake)
+
+from dflash.validate import validate_shard  # noqa: E402
+
+out = snakemake.output
+validate_shard(snakemake.input[0], out.validated, out.rejected, out.qa, snakemake.params.validate)

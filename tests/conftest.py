@@ -1,0 +1,44 @@
+"""Shared fixtures: the shipped demo sources and a tiny target built from them (session-wide)."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def demo_config() -> dict:
+    return load_config(ROOT / "config.yaml")
+
+
+@pytest.fixture(scope="session")
+def demo_sources(demo_config) -> list[dict]:
+    """The shipped demo sources with absolute paths."""
+    return [{**s, "path": str(ROOT / s["path"])} for s in demo_config["prompts"]["sources"]]
+
+
+@pytest.fixture(scope="session")
+def target_dir(tmp_path_factory, demo_config, demo_sources) -> Path:
+    """The demo target, built for real but taught only briefly (the tests need its format, not its quality)."""
+    from dflash.target import build_target
+
+    cfg = copy.deepcopy(demo_config["target"]["build"])
+    cfg["teach"]["steps"] = 40
+    out = tmp_path_factory.mktemp("target") / "target"
+    build_target([Path(s["path"]) for s in demo_sources], out, cfg)
+    return out
+
+
+@pytest.fixture(scope="session")
+def target(target_dir):
+    from dflash.target import load_target
+
+    return load_target(target_dir)

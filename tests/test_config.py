@@ -1,0 +1,56 @@
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from dflash.config import ConfigError, check_config, load_config
+from tests.conftest import ROOT
+
+
+def test_shipped_config_is_valid_and_gets_defaults():
+    cfg = load_config(ROOT / "config.yaml")
+    assert cfg["prompts"]["shard_size"] == 50
+    assert cfg["validate"]["checks"]["trivial"] == "reject"
+    assert cfg["train"]["grad_clip"] == 1.0  # not in config.yaml: filled from the schema
+    assert cfg["target"]["path"] is None
+
+
+def test_misspelled_key_names_key_file_and_suggestion(tmp_path):
+    raw = yaml.safe_load((ROOT / "config.yaml").read_text())
+    raw["generate"]["samplng"] = raw["generate"].pop("sampling")
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert str(path) in msg
+    assert "unknown key 'samplng'" in msg and "did you mean 'sampling'" in msg
+    assert "at generate" in msg
+
+
+def test_wrong_type_names_the_key_path():
+    cfg = {"prompts": {"sources": [{"name": "a", "path": "a.jsonl"}], "shard_size": "fifty"}}
+    with pytest.raises(ConfigError, match=r"x\.yaml: at prompts\.shard_size: 'fifty' is not of type 'integer'"):
+        check_config(cfg, source="x.yaml")
+
+
+def test_bad_enum_value_is_rejected():
+    cfg = {"prompts": {"sources": [{"name": "a", "path": "a.jsonl"}]}, "validate": {"checks": {"trivial": "drop"}}}
+    with pytest.raises(ConfigError, match="validate.checks.trivial"):
+        check_config(cfg)
+
+
+def test_snakemake_refuses_a_misspelled_key_before_any_job(tmp_path):
+    raw = yaml.safe_load((ROOT / "config.yaml").read_text())
+    raw["prompts"]["shard_sise"] = raw["prompts"].pop("shard_size")
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    snakemake = [sys.executable, "-m", "snakemake"]
+    run = subprocess.run(snakemake + ["-n", "-s", str(ROOT / "Snakefile"), "-d", str(tmp_path), "--configfile", str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    out = run.stdout + run.stderr
+    assert "unknown key 'shard_sise'" in out and "did you mean 'shard_size'" in out
+    assert str(path) in out
+    assert not (tmp_path / "results").exists()

@@ -1,0 +1,195 @@
+"""Speculative decoding: lossless against plain greedy, and a trained drafter gets more accepted."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from dflash.drafter import TargetIO, load_drafter
+from dflash.eval import evaluate, speculative_generate, stop_token_ids, untrained_drafter
+from dflash.train import train
+from test_drafter import reference  # noqa: F401 - the fixture with the reference wheel's model.py
+from test_train import LAYER_IDS, TRAIN_CFG, make_target, write_shards
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """The models are tiny: a second thread gains nothing, and on a shared 2-core machine every op
+    waits for the busy core (4x slower with one competing process, up to 100x seen)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
+WORDS = ("system user assistant you are a helpful bot what is the weather in paris today tell me a joke about "
+         "cats write code to sort list please explain why sky blue how do i cook rice").split()
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+IM_END, ENDOFTEXT = 2, 0
+MASK_ID = 255  # outside the tokenizer's vocabulary, like Qwen's reserved mask token
+PROMPTS = [
+    {"id": "w", "category": "chat", "messages": [{"role": "user", "content": "what is the weather in paris today"}],
+     "tools": None},
+    {"id": "j", "category": "chat", "messages": [{"role": "user", "content": "tell me a joke about cats"}],
+     "tools": None},
+    {"id": "c", "category": "code", "messages": [{"role": "system", "content": "you are a helpful bot"},
+                                                 {"role": "user", "content": "write code to sort list"}], "tools": []},
+    {"id": "r", "category": "code", "messages": [{"role": "user", "content": "how do i cook rice please"}],
+     "tools": None},
+]
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {token: i for i, token in enumerate(SPECIALS + list(dict.fromkeys(WORDS)))}
+    backend = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def prompt_ids(tokenizer, prompt: dict) -> list[int]:
+    text = tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def plain_greedy(model, ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    new = []
+    while len(new) < max_new_tokens and not (new and new[-1] in stop_ids):
+        with torch.no_grad():
+            new.append(int(model(input_ids=torch.tensor([ids + new]), use_cache=False).logits[0, -1].argmax()))
+    return new
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory):
+    path = make_target(tmp_path_factory.mktemp("m") / "target", seed=3, eos_token_id=IM_END)
+    # A random model would often end its answers at once: silence the stop tokens so that the
+    # outputs are long enough to measure acceptance (stopping is tested with explicit stop ids).
+    weights = load_file(path / "model.safetensors")
+    weights["lm_head.weight"][[IM_END, ENDOFTEXT]] = 0.0
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_target_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+
+
+ANSWER_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def answers(tiny_target, tokenizer) -> dict[str, tuple[list[int], list[int]]]:
+    """Prompt id -> (prompt ids, the target's plain greedy answer without stop tokens)."""
+    return {p["id"]: (ids := prompt_ids(tokenizer, p), plain_greedy(tiny_target, ids, ANSWER_TOKENS, set()))
+            for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def trained_drafter(tiny_target_dir, tiny_target, answers, tmp_path_factory):
+    """A drafter trained on the target's own greedy answers to PROMPTS (a memorised set)."""
+    rows = [(ids + answer, [0] * len(ids) + [1] * len(answer)) for ids, answer in answers.values()]
+    work = tmp_path_factory.mktemp("train")
+    tok, hid = write_shards(tiny_target, work, rows, LAYER_IDS)
+    train([tok], [hid], tiny_target_dir, work / "drafter", {**TRAIN_CFG, "mask_token_id": MASK_ID, "steps": 200})
+    return work / "drafter"
+
+
+def test_stop_token_ids(tokenizer, tiny_target):
+    assert stop_token_ids(tokenizer, tiny_target) == {IM_END, ENDOFTEXT}
+
+
+def test_speculative_decoding_is_lossless(tiny_target, answers, trained_drafter):
+    io = TargetIO.from_model(tiny_target)
+    drafters = {"none": None, "untrained": untrained_drafter(trained_drafter)[0].eval(),
+                "trained": load_drafter(trained_drafter)[0].eval()}
+    for ids, expected in list(answers.values())[:2]:
+        expected = expected[:30]
+        stop = expected[len(expected) // 2]  # a token from the answer acts as stop id
+        expected_stopped = expected[:expected.index(stop) + 1]
+        for name, drafter in drafters.items():
+            out, forwards = speculative_generate(tiny_target, drafter, io, ids, 30, set())
+            assert out == expected, name
+            assert 1 <= len(out) / forwards <= (drafter.block_size if drafter else 1), name
+            out, _ = speculative_generate(tiny_target, drafter, io, ids, 30, {stop})
+            assert out == expected_stopped, name
+            # max_new_tokens cuts even a fully accepted block
+            assert speculative_generate(tiny_target, drafter, io, ids, 7, set())[0] == expected[:7], name
+        # blocks shorter than the trained ones
+        assert speculative_generate(tiny_target, drafters["trained"], io, ids, 30, set(), block_size=3)[0] == expected
+
+
+def test_trained_drafter_beats_untrained(tiny_target_dir, tokenizer, answers, trained_drafter):
+    cfg = {"max_new_tokens": ANSWER_TOKENS, "device": "cpu"}
+    baseline = evaluate(tiny_target_dir, None, PROMPTS, {**cfg, "max_new_tokens": 8}, tokenizer)
+    untrained = evaluate(tiny_target_dir, trained_drafter, PROMPTS, cfg, tokenizer, init_only=True)
+    trained = evaluate(tiny_target_dir, trained_drafter, PROMPTS, cfg, tokenizer)
+
+    assert baseline["overall"]["acceptance_length"] == 1.0
+    assert untrained["overall"]["acceptance_length"] >= 1.0
+    assert trained["overall"]["acceptance_length"] > max(2.0, untrained["overall"]["acceptance_length"] + 0.5)
+    expected = [answers[p["id"]][1] for p in PROMPTS]
+    assert [s["output_ids"] for s in baseline["samples"]] == [e[:8] for e in expected]
+    for result in (untrained, trained):
+        assert [s["output_ids"] for s in result["samples"]] == expected
+
+    overall = trained["overall"]
+    assert overall["prompts"] == 4 and overall["tokens"] == 4 * ANSWER_TOKENS
+    assert overall["acceptance_length"] == pytest.approx(overall["tokens"] / overall["target_forwards"])
+    assert set(trained["per_category"]) == {"chat", "code"}
+    assert sum(c["target_forwards"] for c in trained["per_category"].values()) == overall["target_forwards"]
+    assert [s["id"] for s in trained["samples"]] == ["w", "j", "c", "r"]
+    assert set(trained["samples"][0]) == {"id", "category", "acceptance_length", "tokens", "target_forwards",
+                                          "output_ids"}
+
+
+def test_block_size_larger_than_trained_is_refused(tiny_target_dir, tokenizer, trained_drafter):
+    with pytest.raises(ValueError, match="block_size"):
+        evaluate(tiny_target_dir, trained_drafter, PROMPTS[:1], {"block_size": 8, "device": "cpu"}, tokenizer)
+
+
+def test_same_tokens_and_steps_as_reference_generate(reference, tmp_path, monkeypatch):
+    """The wheel's cached ``dflash_generate`` (on a plain Qwen3 target, whose KV cache can be
+    cropped) and our cache-free loop draft, accept and emit the same tokens step for step."""
+    monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)  # its stats timer syncs CUDA
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e6})).eval()
+    target.save_pretrained(tmp_path / "target")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 250, (12,), generator=g).tolist() for _ in range(3)]
+    rows = [(p + plain_greedy(target, p, 40, set()), [0] * 12 + [1] * 40) for p in prompts]
+    tok, hid = write_shards(target, tmp_path, rows, LAYER_IDS)
+    # Briefly trained, so that blocks are accepted partly: the interesting case.
+    cfg = {**TRAIN_CFG, "mask_token_id": MASK_ID, "layer_types": ["sliding_attention", "full_attention"],
+           "sliding_window": 6, "steps": 40}
+    train([tok], [hid], tmp_path / "target", tmp_path / "drafter", cfg)
+    ours = load_drafter(tmp_path / "drafter")[0].eval()
+    theirs = reference.DFlashDraftModel.from_pretrained(tmp_path / "drafter").eval()
+
+    steps = []
+    for p in prompts:
+        expected = reference.dflash_generate(theirs, target, torch.tensor([p]), 40, None, return_stats=True)
+        out, forwards = speculative_generate(target, ours, TargetIO.from_model(target), p, 40, set())
+        assert out == expected.output_ids[0, len(p):].tolist()
+        assert forwards - 1 == len(expected.acceptance_lengths)  # its prefill is not a step
+        steps += expected.acceptance_lengths
+    assert 1 in steps and 4 in steps and len(steps) < 3 * 39

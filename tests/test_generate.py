@@ -1,0 +1,95 @@
+from pathlib import Path
+
+import pytest
+
+from dflash.generate import generate_shard, sample_seed, split_reasoning
+from dflash.io import read_jsonl, write_jsonl_zst
+from dflash.prompts import read_source
+
+DESIGN_FIELDS = {"id", "prompt_id", "source", "category", "messages", "tools", "text", "reasoning", "content",
+                 "finish_reason", "prompt_token_ids", "output_token_ids", "usage", "generation", "error"}
+
+
+@pytest.fixture(scope="module")
+def prompt_shard(tmp_path_factory, demo_sources):
+    prompts = []
+    for src in demo_sources:
+        prompts += list(read_source(src))[:2]
+    path = tmp_path_factory.mktemp("g") / "shard-00000.jsonl.zst"
+    write_jsonl_zst(path, prompts)
+    return path, prompts
+
+
+def gen_cfg(**sampling):
+    return {"backend": "transformers", "enable_thinking": True,
+            "sampling": {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "max_tokens": 24, "seed": 0, **sampling}}
+
+
+def test_records_are_exact(tmp_path, prompt_shard, target, target_dir):
+    path, prompts = prompt_shard
+    _, tok = target
+    summary = generate_shard(path, tmp_path / "out.jsonl.zst", target_dir, gen_cfg())
+    recs = read_jsonl(tmp_path / "out.jsonl.zst")
+    assert summary["records"] == len(recs) == len(prompts)
+    assert [r["id"] for r in recs] == [p["id"] for p in prompts]
+    stop = {tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")}
+    for rec, prompt in zip(recs, prompts):
+        assert set(rec) == DESIGN_FIELDS
+        assert rec["messages"] == prompt["messages"] and rec["tools"] == prompt["tools"]
+        rendered = tok.apply_chat_template(prompt["messages"], tools=prompt["tools"], add_generation_prompt=True,
+                                           enable_thinking=True, tokenize=False)
+        assert rendered.endswith("<|im_start|>assistant\n<think>\n")
+        assert rec["prompt_token_ids"] == tok.encode(rendered, add_special_tokens=False)
+        out = rec["output_token_ids"]
+        assert 1 <= len(out) <= 24
+        if rec["finish_reason"] == "stop":
+            assert out[-1] in stop
+            body = out[:-1]
+        else:
+            assert rec["finish_reason"] == "length" and len(out) == 24 and out[-1] not in stop
+            body = out
+        assert rec["text"] == tok.decode(body, skip_special_tokens=False)
+        reasoning, content = split_reasoning(rec["text"], True)
+        assert (rec["reasoning"], rec["content"]) == (reasoning, content)
+        assert rec["usage"] == {"prompt_tokens": len(rec["prompt_token_ids"]), "completion_tokens": len(out)}
+        assert rec["generation"]["sampling"] == gen_cfg()["sampling"]
+        assert rec["generation"]["enable_thinking"] is True and rec["error"] is None
+
+
+def test_generation_is_reproducible_per_sample(tmp_path, prompt_shard, target_dir):
+    path, prompts = prompt_shard
+    generate_shard(path, tmp_path / "a.jsonl.zst", target_dir, gen_cfg())
+    # The same prompts in another order, in another shard: every sample draws the same tokens.
+    write_jsonl_zst(tmp_path / "rev.jsonl.zst", prompts[::-1])
+    generate_shard(tmp_path / "rev.jsonl.zst", tmp_path / "b.jsonl.zst", target_dir, gen_cfg())
+    a = {r["id"]: r["output_token_ids"] for r in read_jsonl(tmp_path / "a.jsonl.zst")}
+    b = {r["id"]: r["output_token_ids"] for r in read_jsonl(tmp_path / "b.jsonl.zst")}
+    assert a == b
+    assert sample_seed(0, "00000000000a") != sample_seed(1, "00000000000a")
+
+
+def test_unset_sampling_comes_from_generation_config(tmp_path, prompt_shard, target, target_dir):
+    model, _ = target
+    path, _ = prompt_shard
+    generate_shard(path, tmp_path / "c.jsonl.zst", target_dir, gen_cfg(temperature=None, top_p=None, top_k=None))
+    s = read_jsonl(tmp_path / "c.jsonl.zst")[0]["generation"]["sampling"]
+    gc = model.generation_config
+    assert (s["temperature"], s["top_p"], s["top_k"]) == (gc.temperature, gc.top_p, gc.top_k)
+
+
+def test_split_reasoning():
+    assert split_reasoning("R\n</think>\n\nC", True) == ("R\n", "\n\nC")
+    assert split_reasoning("<think>\nR\n</think>\n\nC", True) == ("\nR\n", "\n\nC")  # older Qwen3 opens its own tag
+    assert split_reasoning("still thinking", True) == ("still thinking", "")
+    assert split_reasoning("a</think>b</think>c", True) == ("a", "b</think>c")
+    assert split_reasoning("plain", False) == (None, "plain")
+
+
+def test_bad_prompt_becomes_an_error_record(tmp_path, target_dir):
+    bad = {"id": "0123456789abcdef", "source": "x", "category": "chat", "tools": None, "meta": {},
+           "messages": [{"role": "assistant", "content": "no user turn"}]}
+    write_jsonl_zst(tmp_path / "bad.jsonl.zst", [bad])
+    summary = generate_shard(Path(tmp_path / "bad.jsonl.zst"), tmp_path / "o.jsonl.zst", target_dir, gen_cfg())
+    (rec,) = read_jsonl(tmp_path / "o.jsonl.zst")
+    assert rec["finish_reason"] == "error" and "No user query" in rec["error"] and rec["text"] == ""
+    assert summary["finish_reasons"]["error"] == 1

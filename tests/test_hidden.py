@@ -1,0 +1,54 @@
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from dflash.hidden import capture_shard, forward_features
+from dflash.io import write_jsonl_zst
+from dflash.tokenize import tokenize_shard
+
+
+def test_features_equal_hidden_states_of_a_plain_forward(target):
+    model, tok = target
+    ids = torch.tensor([tok.encode("<|im_start|>user\nHello there<|im_end|>\n", add_special_tokens=False)])
+    logits, feats = forward_features(model, ids, [0, 1, 3])
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True)
+    assert feats.shape == (1, ids.shape[1], 3, model.config.hidden_size)
+    for j, layer in enumerate([0, 1, 3]):
+        assert torch.equal(feats[:, :, j], ref.hidden_states[layer + 1])
+    assert torch.equal(logits, ref.logits)
+
+
+def test_out_of_range_layer_is_a_clear_error(target):
+    model, _ = target
+    with pytest.raises(ValueError, match=r"out of range: the target has 4 decoder layers"):
+        forward_features(model, torch.tensor([[1, 2]]), [4])
+
+
+def test_capture_shard(tmp_path, target, target_dir):
+    model, tok = target
+    recs = []
+    for i, q in enumerate(["Hi", "What is the tallest mountain on Earth?"]):
+        p = tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                               tokenize=False), add_special_tokens=False)
+        o = tok.encode("Let me think.\n</think>\n\nAnswer.", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+        recs.append({"id": f"r{i}", "category": "chat", "text": "", "finish_reason": "stop",
+                     "prompt_token_ids": p, "output_token_ids": o})
+    write_jsonl_zst(tmp_path / "v.jsonl.zst", recs)
+    tokenize_shard(tmp_path / "v.jsonl.zst", tmp_path / "t.safetensors", tmp_path / "t.json", tok, {"max_length": 4096})
+    # A misconfigured cache must never reach training silently: the metadata records what was captured.
+    summary = capture_shard(tmp_path / "t.safetensors", tmp_path / "h.safetensors", target_dir, {"target_layer_ids": [1, 3]})
+    rows, h = load_file(str(tmp_path / "t.safetensors")), load_file(str(tmp_path / "h.safetensors"))
+    assert h["hidden_states"].dtype == torch.bfloat16
+    assert h["hidden_states"].shape == (len(rows["input_ids"]), 2, model.config.hidden_size)
+    assert torch.equal(h["input_ids"], rows["input_ids"]) and torch.equal(h["offsets"], rows["offsets"])
+    off = rows["offsets"].tolist()
+    _, feats = forward_features(model, rows["input_ids"][off[1]:off[2]].long().unsqueeze(0), [1, 3])
+    assert torch.equal(h["hidden_states"][off[1]:off[2]], feats[0].to(torch.bfloat16))
+    with safe_open(str(tmp_path / "h.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert json.loads(meta["target_layer_ids"]) == [1, 3] and meta["hidden_size"] == str(model.config.hidden_size)
+    assert summary["rows"] == 2 and summary["bytes"] == h["hidden_states"].numel() * 2

@@ -1,0 +1,105 @@
+"""The real Snakemake pipeline, end to end, on a small slice of the demo data (a few minutes)."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash.io import read_json, read_jsonl, write_jsonl_zst
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def snakemake(workdir: Path, *args: str, check: bool = True) -> str:
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "-d", str(workdir),
+           "--configfile", str(workdir / "config.yaml"), *args]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    out = run.stdout + run.stderr
+    if check and run.returncode != 0:
+        logs = "\n".join(f"== {p}\n{p.read_text()[-3000:]}" for p in (workdir / "results" / "logs").rglob("*.log"))
+        raise AssertionError(f"snakemake {' '.join(args)} failed ({run.returncode}):\n{out[-5000:]}\n{logs}")
+    return out
+
+
+def planned_jobs(dry_run_output: str) -> set[tuple[str, str | None]]:
+    """(rule, shard or None) of every job in a ``snakemake -n`` listing."""
+    jobs = set()
+    for block in re.split(r"\n(?=\[|rule |localrule )", dry_run_output):
+        rule = re.search(r"^(?:local)?rule (\w+):", block, re.M)
+        if rule:
+            shard = re.search(r"wildcards:.*shard=(\d{5})", block)
+            jobs.add((rule.group(1), shard.group(1) if shard else None))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, demo_sources):
+    work = tmp_path_factory.mktemp("pipeline")
+    sources = []
+    for src in demo_sources:  # 8 training + 2 held-out conversations of each category
+        lines = Path(src["path"]).read_text().splitlines()
+        train = [ln for ln in lines if '"split": "train"' in ln][:8]
+        held = [ln for ln in lines if '"split": "heldout"' in ln][:2]
+        path = work / Path(src["path"]).name
+        path.write_text("\n".join(train + held) + "\n")
+        sources.append({**src, "path": str(path)})
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    config["prompts"] = {"shard_size": 12, "sources": sources}
+    config["target"]["build"]["teach"]["steps"] = 20
+    config["generate"]["sampling"]["max_tokens"] = 24
+    # A briefly taught target writes little that passes; keep every record so all stages get data.
+    config["validate"]["checks"] = {k: "flag" for k in config["validate"]["checks"]}
+    config["drafter"] = {"num_layers": 1, "target_layer_ids": [1, 3], "block_size": 4}
+    config["train"] = {"steps": 4, "batch_size": 2}
+    config["eval"] = {"max_new_tokens": 8}
+    (work / "config.yaml").write_text(yaml.safe_dump(config))
+    out = snakemake(work, "--cores", "2")
+    return work, out
+
+
+def test_whole_chain_runs_and_writes_every_stage(pipeline):
+    work, _ = pipeline
+    res = work / "results"
+    manifest = read_json(res / "prompts" / "manifest.json")
+    assert manifest["prompts"] == 32 and manifest["heldout"] == 8
+    assert [s["records"] for s in manifest["shards"]] == [12, 12, 8]
+    for shard in ("00000", "00001", "00002"):
+        comps = read_jsonl(res / "completions" / f"shard-{shard}.jsonl.zst")
+        assert all(c["output_token_ids"] and c["prompt_token_ids"] for c in comps)
+        qa = read_json(res / "qa" / f"shard-{shard}.json")
+        assert qa["records"] == len(comps) == qa["kept"] + qa["rejected"]
+        index = read_json(res / "tokenized" / f"shard-{shard}.json")
+        assert index["stats"]["rows"] == len(index["rows"]) > 0
+        assert (res / "hidden" / f"shard-{shard}.safetensors").stat().st_size > 0
+    ckpt = res / "checkpoints" / "demo"
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["target_layer_ids"] == [1, 3]
+    assert (ckpt / "model.safetensors").exists()
+    ev = read_json(res / "eval" / "demo.json")
+    assert set(ev["per_category"]) == {"chat", "code", "reasoning", "tool"}
+    assert ev["overall"]["acceptance_length"] >= 1.0
+    summary = read_json(res / "report" / "summary.json")
+    assert summary["validate"]["records"] == 32 and summary["tokenized"]["rows"] > 0
+    assert "Acceptance length" in (res / "report" / "summary.html").read_text()
+    for rule in ("prompts", "target", "train/demo", "eval/demo", "report"):
+        assert (res / "logs" / f"{rule}.log").exists(), rule
+
+
+def test_second_run_has_nothing_to_do(pipeline):
+    work, _ = pipeline
+    assert "Nothing to be done" in snakemake(work, "--cores", "2")
+
+
+def test_changing_one_prompt_shard_reruns_only_that_shard(pipeline):
+    work, _ = pipeline
+    shard = work / "results" / "prompts" / "shard-00001.jsonl.zst"
+    records = read_jsonl(shard)
+    write_jsonl_zst(shard, records[:-1])  # e.g. a prompt removed by hand
+    jobs = planned_jobs(snakemake(work, "-n"))
+    per_shard = {(rule, s) for rule, s in jobs if s is not None}
+    assert per_shard == {(r, "00001") for r in ("generate", "validate", "tokenize", "hidden")}
+    assert {rule for rule, s in jobs if s is None} == {"train", "eval", "report", "all"}

@@ -1,0 +1,124 @@
+import json
+from collections import Counter
+
+import pytest
+from jsonschema import Draft202012Validator
+
+from dflash.io import iter_jsonl, read_json, read_jsonl
+from dflash.prompts import build_prompts, read_source, stratify
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, demo_sources):
+    out = tmp_path_factory.mktemp("p") / "prompts"
+    manifest = build_prompts(demo_sources, out, shard_size=50)
+    return out, manifest
+
+
+def test_demo_set_size_and_mix(built):
+    out, manifest = built
+    total = manifest["prompts"] + manifest["heldout"]
+    tool = manifest["categories"]["tool"] + manifest["heldout_categories"]["tool"]
+    assert total >= 200
+    assert tool >= total / 4
+    assert set(manifest["categories"]) == {"chat", "code", "reasoning", "tool"}
+    assert set(manifest["heldout_categories"]) == {"chat", "code", "reasoning", "tool"}
+    assert [s["name"] for s in manifest["shards"]] == [f"shard-{i:05d}.jsonl.zst" for i in range(len(manifest["shards"]))]
+    assert sum(s["records"] for s in manifest["shards"]) == manifest["prompts"]
+    assert read_json(out / "manifest.json") == manifest
+
+
+def test_records_are_canonical_and_reference_turn_dropped(built):
+    out, _ = built
+    recs = read_jsonl(out / "shard-00000.jsonl.zst")
+    assert len(recs) == 50
+    for r in recs:
+        assert set(r) == {"id", "source", "category", "messages", "tools", "meta"}
+        assert len(r["id"]) == 16
+        assert r["messages"][-1]["role"] == "user"
+        assert r["meta"]["split"] == "train"
+        assert (r["tools"] is None) == (r["category"] != "tool")
+
+
+def test_heldout_never_in_training_shards(built):
+    out, manifest = built
+    train_ids = {r["id"] for i in range(len(manifest["shards"])) for r in iter_jsonl(out / f"shard-{i:05d}.jsonl.zst")}
+    held = read_jsonl(out / "heldout.jsonl.zst")
+    assert len(held) == manifest["heldout"] and held
+    assert not train_ids & {r["id"] for r in held}
+    assert len(train_ids) == manifest["prompts"]
+
+
+def test_shards_are_stratified(built):
+    _, manifest = built
+    overall = manifest["categories"]
+    n = manifest["prompts"]
+    for shard in manifest["shards"][:-1]:  # the last one is a remainder
+        for cat, count in overall.items():
+            expected = count / n * shard["records"]
+            assert abs(shard["categories"].get(cat, 0) - expected) <= 1.5, (shard, cat)
+
+
+def test_ids_are_stable_and_duplicates_dropped(tmp_path, demo_sources):
+    src = demo_sources[2]
+    lines = (open(src["path"]).read().splitlines())[:5]
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text("\n".join(lines + lines[:2]) + "\n")
+    sources = [{"name": "s", "path": str(dup), "format": "openai"}]
+    m1 = build_prompts(sources, tmp_path / "a", shard_size=10)
+    m2 = build_prompts(sources, tmp_path / "b", shard_size=10)
+    assert m1["dropped"] == {"duplicate": 2} and m1["prompts"] == 5
+    ids_a = [r["id"] for r in read_jsonl(tmp_path / "a" / "shard-00000.jsonl.zst")]
+    ids_b = [r["id"] for r in read_jsonl(tmp_path / "b" / "shard-00000.jsonl.zst")]
+    assert ids_a == ids_b and len(set(ids_a)) == 5
+
+
+def test_bad_record_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+                   + json.dumps({"messages": [{"role": "robot", "content": "hi"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: unknown role 'robot'"):
+        list(read_source({"name": "x", "path": str(bad)}))
+    bad.write_text('{"messages": [}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: not valid JSON"):
+        list(read_source({"name": "x", "path": str(bad)}))
+
+
+def test_sharegpt_and_alpaca_sources(tmp_path):
+    sg = tmp_path / "sg.jsonl"
+    sg.write_text(json.dumps({"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                                                {"from": "gpt", "value": "Hello"}]}) + "\n")
+    al = tmp_path / "al.jsonl"
+    al.write_text(json.dumps({"instruction": "Sum", "input": "1 2", "output": "3"}) + "\n")
+    (rec,) = read_source({"name": "sg", "path": str(sg), "format": "sharegpt", "category": "chat"})
+    assert rec["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert rec["category"] == "chat"
+    (rec,) = read_source({"name": "al", "path": str(al), "format": "alpaca"})
+    assert rec["messages"] == [{"role": "user", "content": "Sum\n\n1 2"}] and rec["category"] == "other"
+
+
+def test_stratify_mixes_small_categories():
+    recs = [{"id": f"{i:04d}", "category": "tool" if i % 4 == 0 else "chat"} for i in range(40)]
+    shards = stratify(recs, 10)
+    assert sorted(Counter(r["category"] for r in s)["tool"] for s in shards) == [2, 2, 3, 3]
+
+
+def test_shipped_tool_calls_match_offered_schemas(demo_sources):
+    """The reference turns the target is taught on must be correct: the drafter learns from them."""
+    calls = nofit = 0
+    for src in demo_sources:
+        for lineno, rec in enumerate(iter_jsonl(src["path"]), 1):
+            ref = rec["messages"][-1]
+            assert ref["role"] == "assistant" and ref["reasoning_content"].strip(), (src["path"], lineno)
+            tools = {t["function"]["name"]: t["function"]["parameters"] for t in rec["tools"] or []}
+            for tc in ref.get("tool_calls", []):
+                name, args = tc["function"]["name"], tc["function"]["arguments"]
+                assert name in tools, (src["path"], lineno)
+                Draft202012Validator.check_schema(tools[name])
+                errors = list(Draft202012Validator(tools[name]).iter_errors(args))
+                assert not errors, (src["path"], lineno, errors)
+                calls += 1
+            if rec["tools"] and not ref.get("tool_calls"):
+                nofit += 1
+                assert ref["content"].strip()
+    assert calls >= 40 and nofit >= 10

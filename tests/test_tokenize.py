@@ -1,0 +1,76 @@
+import pytest
+from safetensors.torch import load_file
+
+from dflash.io import read_json, write_jsonl_zst
+from dflash.tokenize import has_anchor, tokenize_shard
+
+MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+@pytest.fixture
+def tok(target):
+    return target[1]
+
+
+def with_ids(tok, rid, text, finish="stop"):
+    prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    p_ids = tok.encode(prompt, add_special_tokens=False)
+    o_ids = tok.encode(text, add_special_tokens=False)
+    if finish == "stop":
+        o_ids.append(tok.convert_tokens_to_ids("<|im_end|>"))
+    return {"id": rid, "category": "reasoning", "messages": MESSAGES, "tools": None, "text": text,
+            "finish_reason": finish, "prompt_token_ids": p_ids, "output_token_ids": o_ids,
+            "generation": {"enable_thinking": True}}
+
+
+def run(tmp_path, tok, recs, max_length=4096):
+    write_jsonl_zst(tmp_path / "v.jsonl.zst", recs)
+    stats = tokenize_shard(tmp_path / "v.jsonl.zst", tmp_path / "t.safetensors", tmp_path / "t.json", tok,
+                           {"max_length": max_length})
+    return stats, load_file(str(tmp_path / "t.safetensors")), read_json(tmp_path / "t.json")
+
+
+def test_rows_from_ids_are_exact(tmp_path, tok):
+    a = with_ids(tok, "a", "Two plus two is four.\n</think>\n\n4")
+    b = with_ids(tok, "b", "Adding.\n</think>\n\nThe answer is 4.", finish="length")
+    stats, t, index = run(tmp_path, tok, [a, b])
+    assert t["input_ids"].dtype.is_floating_point is False and str(t["input_ids"].dtype) == "torch.int32"
+    assert str(t["loss_mask"].dtype) == "torch.uint8" and str(t["offsets"].dtype) == "torch.int64"
+    off = t["offsets"].tolist()
+    assert off[0] == 0 and len(off) == 3 and off[-1] == len(t["input_ids"]) == len(t["loss_mask"])
+    for r, rec in enumerate([a, b]):
+        ids = t["input_ids"][off[r]:off[r + 1]].tolist()
+        mask = t["loss_mask"][off[r]:off[r + 1]].tolist()
+        assert ids == rec["prompt_token_ids"] + rec["output_token_ids"]
+        assert mask == [0] * len(rec["prompt_token_ids"]) + [1] * len(rec["output_token_ids"])
+    assert [(row["id"], row["trainable"]) for row in index["rows"]] == [("a", len(a["output_token_ids"])),
+                                                                      ("b", len(b["output_token_ids"]))]
+    assert stats["from_ids"] == 2 and stats["text_mismatch"] == 0 and stats["rows"] == 2
+
+
+def test_rows_from_text_match_ids_and_append_end_of_turn_only_on_stop(tmp_path, tok):
+    stop = with_ids(tok, "s", "Two plus two is four.\n</think>\n\n4")
+    cut = with_ids(tok, "c", "Two plus two", finish="length")
+    as_text = [{**r, "id": r["id"] + "-text", "prompt_token_ids": None, "output_token_ids": None} for r in (stop, cut)]
+    stats, t, _ = run(tmp_path, tok, as_text)
+    off = t["offsets"].tolist()
+    assert t["input_ids"][off[0]:off[1]].tolist() == stop["prompt_token_ids"] + stop["output_token_ids"]
+    assert t["input_ids"][off[1]:off[2]].tolist() == cut["prompt_token_ids"] + cut["output_token_ids"]
+    assert t["input_ids"][off[1] - 1].item() == tok.convert_tokens_to_ids("<|im_end|>")
+    assert t["input_ids"][off[2] - 1].item() != tok.convert_tokens_to_ids("<|im_end|>")
+    assert stats["from_text"] == 2
+
+
+def test_mismatch_counted_truncation_and_no_anchor_drop(tmp_path, tok):
+    wrong = with_ids(tok, "w", "Four.\n</think>\n\n4")
+    wrong["text"] = "Five.\n</think>\n\n5"  # ids and text disagree: reported, not hidden
+    tiny = with_ids(tok, "t", "")  # only the end-of-turn token is supervised: no anchor + label pair
+    long = with_ids(tok, "l", "word " * 200)
+    stats, t, index = run(tmp_path, tok, [wrong, tiny, long], max_length=64)
+    assert stats["text_mismatch"] == 1
+    assert stats["dropped_no_anchor"] == 1 and [r["id"] for r in index["rows"]] == ["w", "l"]
+    assert stats["truncated"] == 1 and index["rows"][1]["length"] == 64
+
+
+def test_has_anchor():
+    assert has_anchor([0, 1, 1]) and not has_anchor([1, 0, 1, 0]) and not has_anchor([])
