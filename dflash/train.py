@@ -181,7 +181,7 @@ class ShardData:
             row = Row(shard, start, end, input_ids[start:end], loss_mask[start:end])
             self.summary["rows"] += 1
             self.summary["tokens"] += end - start
-            # "trainable" is the row's supervised-token count (a flag in older shards): 0 skips it.
+            # "trainable" is the row's supervised-token count: 0 skips it.
             if row_meta.get("trainable", True) and len(anchor_candidates(row.loss_mask)) > 0:
                 self.rows.append(row)
                 self.summary["trainable_rows"] += 1

@@ -11,7 +11,9 @@ from dflash.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
-torch.set_num_threads(2)
+# The test models are tiny: a second thread gains little, and on a shared 2-core machine every op
+# then waits for the busy core (4x slower with one competing process, up to 100x seen).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -13,16 +13,6 @@ from dflash.drafter import (DFlashDraftModel, build_target_layer_ids, draft_atte
                             make_draft_config, save_drafter)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """The models are tiny: a second thread gains nothing, and on a shared 2-core machine every op
-    waits for the busy core (4x slower with one competing process, up to 100x seen)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 H = 64
 REFERENCE_KEYS = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
     f"layers.{i}.{name}.weight" for i in range(2) for name in (

@@ -18,16 +18,6 @@ from test_drafter import reference  # noqa: F401 - the fixture with the referenc
 from test_train import LAYER_IDS, TRAIN_CFG, make_target, write_shards
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """The models are tiny: a second thread gains nothing, and on a shared 2-core machine every op
-    waits for the busy core (4x slower with one competing process, up to 100x seen)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
 WORDS = ("system user assistant you are a helpful bot what is the weather in paris today tell me a joke about "
          "cats write code to sort list please explain why sky blue how do i cook rice").split()

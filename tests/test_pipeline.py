@@ -94,6 +94,13 @@ def test_second_run_has_nothing_to_do(pipeline):
     assert "Nothing to be done" in snakemake(work, "--cores", "2")
 
 
+def test_snakemake_report_embeds_the_summary(pipeline):
+    work, _ = pipeline
+    snakemake(work, "--report", str(work / "report.html"))
+    page = (work / "report.html").read_text()
+    assert "summary.html" in page and len(page) > 100_000
+
+
 def test_changing_one_prompt_shard_reruns_only_that_shard(pipeline):
     work, _ = pipeline
     shard = work / "results" / "prompts" / "shard-00001.jsonl.zst"

@@ -16,16 +16,6 @@ from dflash.hidden import forward_features
 from dflash.train import Row, anchor_candidates, lr_at, make_batch, resolve_cfg, sample_anchors, train
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """The models are tiny: a second thread gains nothing, and on a shared 2-core machine every op
-    waits for the busy core (4x slower with one competing process, up to 100x seen)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 LAYER_IDS = [1, 3]
 MASK_ID = 7
 TRAIN_CFG = {"num_layers": 2, "intermediate_size": 128, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
