@@ -116,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dflash {args.stage}: {e}", file=sys.stderr)
         return 2
     set_threads(args.threads or cfg["threads"])
-    args.fn(cfg, args)
+    try:
+        args.fn(cfg, args)
+    except (ValueError, FileNotFoundError) as e:  # bad input: the message names the file, line or id
+        print(f"dflash {args.stage}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

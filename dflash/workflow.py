@@ -28,6 +28,8 @@ def setup_logging(log_file: str | Path | None = None, level: int = logging.INFO)
     root.setLevel(level)
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # transformers prints through its own handler; propagating would print every warning twice.
+    logging.getLogger("transformers").propagate = False
 
 
 def start_job(snakemake) -> None:

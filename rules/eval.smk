@@ -8,7 +8,7 @@ rule eval:
         f"{OUT}/eval/{{run}}.json",
     params:
         eval=config["eval"],
-    threads: workflow.cores
+    threads: 8  # capped at --cores; a fixed number keeps `snakemake --report` (no --cores) working
     resources:
         gpu=1,
     log:

@@ -9,7 +9,7 @@ rule train:
     params:
         drafter=config["drafter"],
         train=config["train"],
-    threads: workflow.cores
+    threads: 8  # capped at --cores; a fixed number keeps `snakemake --report` (no --cores) working
     resources:
         gpu=1,
     log:

@@ -1,0 +1,40 @@
+"""Every stage has a CLI twin that runs the rule's package function on explicit paths."""
+import subprocess
+import sys
+
+from dflash.cli import main
+from dflash.io import read_json, read_jsonl, write_jsonl_zst
+from tests.conftest import ROOT
+
+STAGES = ["prompts", "target", "generate", "validate", "tokenize", "hidden", "train", "eval", "report"]
+
+
+def test_help_lists_every_stage():
+    out = subprocess.run([sys.executable, "-m", "dflash.cli", "--help"], capture_output=True, text=True).stdout
+    for stage in STAGES:
+        assert f"    {stage} " in out
+
+
+def test_validate_twin_on_one_shard(tmp_path):
+    rec = {"id": "a", "category": "chat", "text": "x\n</think>\n\nOK.", "reasoning": "x\n", "content": "\n\nOK.",
+           "finish_reason": "stop", "error": None, "usage": {"completion_tokens": 4}, "generation": {"enable_thinking": True}}
+    write_jsonl_zst(tmp_path / "c.jsonl.zst", [rec])
+    rc = main(["validate", "--config", str(ROOT / "config.yaml"), "--completions", str(tmp_path / "c.jsonl.zst"),
+               "--validated", str(tmp_path / "v.jsonl.zst"), "--rejected", str(tmp_path / "r.jsonl.zst"),
+               "--qa", str(tmp_path / "qa.json")])
+    assert rc == 0
+    assert read_jsonl(tmp_path / "r.jsonl.zst")[0]["qa"]["reasons"] == ["trivial"]
+    assert read_json(tmp_path / "qa.json")["rejected"] == 1
+
+
+def test_prompts_twin_and_clear_errors(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the config's source paths are relative to the working directory
+    assert main(["prompts", "--config", "config.yaml", "--out", str(tmp_path / "p")]) == 0
+    assert read_json(tmp_path / "p" / "manifest.json")["prompts"] >= 150
+    monkeypatch.chdir(tmp_path)
+    assert main(["prompts", "--config", str(ROOT / "config.yaml"), "--out", str(tmp_path / "q")]) == 1
+    assert "data/demo/chat.jsonl does not exist" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("prompts: {sources: [{name: a, path: a.jsonl}]}\nrun_name: x\n")
+    assert main(["validate", "--config", str(bad), "--completions", "c", "--validated", "v", "--rejected", "r", "--qa", "q"]) == 2
+    assert "unknown key 'run_name'" in capsys.readouterr().err
