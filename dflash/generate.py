@@ -6,8 +6,14 @@ token, special tokens kept, so later stages never have to re-tokenize to know wh
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
+import random
 import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,12 +57,25 @@ def stop_ids(model, tokenizer) -> list[int]:
     return ids or [tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
 
+@dataclass
+class Generation:
+    """What a backend returns for one prompt. Ids are None when the engine does not report them."""
+
+    text: str
+    finish_reason: str
+    prompt_ids: list[int] | None
+    output_ids: list[int] | None
+    prompt_tokens: int
+    completion_tokens: int
+    reconstructed: bool = False  # text rebuilt from parsed server fields, not decoded from ids
+
+
 class TransformersBackend:
     """In-process generation with a transformers causal LM (the CPU backend)."""
 
     name = "transformers"
 
-    def __init__(self, target_dir: str | Path):
+    def __init__(self, target_dir: str | Path, cfg: dict):
         import transformers
 
         from dflash.target import load_target
@@ -66,15 +85,15 @@ class TransformersBackend:
         self.engine_version = f"transformers {transformers.__version__}, torch {torch.__version__}"
         self.stop = stop_ids(self.model, self.tokenizer)
 
-    def render(self, prompt: dict, thinking: bool) -> list[int]:
+    def generation_config(self):
+        return self.model.generation_config
+
+    @torch.no_grad()
+    def generate(self, prompt: dict, sampling: dict, thinking: bool, seed: int) -> Generation:
         text = self.tokenizer.apply_chat_template(prompt["messages"], tools=prompt.get("tools"),
                                                   add_generation_prompt=True, enable_thinking=thinking,
                                                   tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    @torch.no_grad()
-    def complete(self, prompt_ids: list[int], sampling: dict, seed: int) -> tuple[list[int], str]:
-        """(output ids incl. the stop token when emitted, finish reason)."""
+        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         torch.manual_seed(seed)
         greedy = sampling["temperature"] == 0
         out = self.model.generate(
@@ -88,12 +107,107 @@ class TransformersBackend:
             pad_token_id=self.tokenizer.pad_token_id,
         )
         ids = out[0, len(prompt_ids):].tolist()
-        if ids and ids[-1] in self.stop:
-            return ids, "stop"
-        return ids, "length"
+        finish = "stop" if ids and ids[-1] in self.stop else "length"
+        body = ids[:-1] if finish == "stop" else ids
+        return Generation(self.tokenizer.decode(body, skip_special_tokens=False), finish, prompt_ids, ids,
+                          len(prompt_ids), len(ids))
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+class OpenAIBackend:
+    """Any OpenAI-compatible chat server (SGLang, vLLM, ``transformers serve`` ...), one request
+    at a time. The ``dialect`` decides which non-standard fields are sent (servers such as
+    ``transformers serve`` refuse unknown ones) and where exact token ids come back. Without ids,
+    ``text`` is rebuilt from the parsed reasoning, content and tool calls and the record is marked
+    ``generation.reconstructed``."""
+
+    name = "openai"
+    ID_REQUESTS = {"openai": {}, "vllm": {"return_token_ids": True, "skip_special_tokens": False},
+                   "sglang": {"return_prompt_token_ids": True, "return_token_ids": True, "skip_special_tokens": False}}
+
+    def __init__(self, target_dir: str | Path, cfg: dict):
+        from transformers import AutoTokenizer, GenerationConfig
+
+        server = cfg["server"]
+        if not server.get("url"):
+            raise ValueError("generate.backend 'openai' needs generate.server.url (e.g. http://127.0.0.1:30000/v1)")
+        self.url = server["url"].rstrip("/")
+        self.dialect = server["dialect"]
+        self.timeout = server["timeout_s"]
+        self.retries = server["retries"]
+        self.extra_body = server["extra_body"]
+        self.model_name = server["model"] or str(target_dir)
+        key = os.environ.get(server["api_key_env"]) if server.get("api_key_env") else None
+        self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        self.stop = {self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+        try:
+            self._generation_config = GenerationConfig.from_pretrained(target_dir)
+        except OSError:
+            self._generation_config = GenerationConfig()
+        self.engine_version = f"{self.dialect} server at {self.url}"
+
+    def generation_config(self):
+        return self._generation_config
+
+    def _post(self, body: dict) -> dict:
+        data = json.dumps(body).encode("utf-8")
+        for attempt in range(self.retries + 1):
+            request = urllib.request.Request(f"{self.url}/chat/completions", data=data, headers=self.headers)
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as e:
+                detail = e.read().decode("utf-8", "replace")[:500]
+                if e.code not in (408, 429) and e.code < 500 or attempt == self.retries:
+                    raise RuntimeError(f"HTTP {e.code} from {self.url}: {detail}") from None
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+                if attempt == self.retries:
+                    raise ConnectionError(f"{self.url}: {getattr(e, 'reason', e)}") from None
+            time.sleep(min(30.0, 2 ** attempt) * (0.5 + random.random()))
+        raise AssertionError("unreachable")
+
+    def generate(self, prompt: dict, sampling: dict, thinking: bool, seed: int) -> Generation:
+        body = {"model": self.model_name, "messages": prompt["messages"], "max_tokens": sampling["max_tokens"],
+                "temperature": sampling["temperature"], "top_p": sampling["top_p"], "seed": seed % 2**31,
+                "chat_template_kwargs": {"enable_thinking": thinking}, **self.ID_REQUESTS[self.dialect],
+                **self.extra_body}
+        if self.dialect != "openai":
+            body["top_k"] = sampling["top_k"]
+        if prompt.get("tools"):
+            body["tools"] = prompt["tools"]
+        response = self._post(body)
+        choice = response["choices"][0]
+        finish = {"tool_calls": "stop"}.get(choice.get("finish_reason"), choice.get("finish_reason") or "stop")
+        prompt_ids = response.get("prompt_token_ids") or choice.get("prompt_token_ids")
+        output_ids = choice.get("token_ids") or choice.get("response_token_ids")
+        usage = response.get("usage") or {}
+        if output_ids is not None:
+            body_ids = output_ids[:-1] if output_ids and output_ids[-1] in self.stop else output_ids
+            text, reconstructed = self.tokenizer.decode(body_ids, skip_special_tokens=False), False
+        else:
+            text, reconstructed = rebuild_text(choice["message"], thinking), True
+        return Generation(text, finish, prompt_ids, output_ids, usage.get("prompt_tokens", len(prompt_ids or [])),
+                          usage.get("completion_tokens", len(output_ids or [])), reconstructed)
+
+
+def rebuild_text(message: dict, thinking: bool) -> str:
+    """The raw Qwen3.6 output behind a parsed chat message: reasoning, ``</think>``, content,
+    then the tool calls in the XML format. Exact only when the server stripped nothing."""
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    content = message.get("content") or ""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call["function"]
+        args = json.loads(fn["arguments"]) if isinstance(fn["arguments"], str) else fn["arguments"]
+        params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>\n"
+                         for k, v in args.items())
+        calls.append(f"<tool_call>\n<function={fn['name']}>\n{params}</function>\n</tool_call>")
+    if calls:
+        content = content + ("\n\n" if content.strip() else "") + "\n".join(calls)
+    return f"{reasoning or ''}</think>{content}" if thinking and reasoning is not None else content
+
+
+BACKENDS = {"transformers": TransformersBackend, "openai": OpenAIBackend}
 
 
 def sample_seed(base: int, prompt_id: str) -> int:
@@ -106,31 +220,28 @@ def completion_record(prompt: dict, backend, sampling: dict, thinking: bool) -> 
     record = {"id": prompt["id"], "prompt_id": prompt["id"], **base}
     generation = {"backend": backend.name, "engine_version": backend.engine_version, "model": backend.model_name,
                   "sampling": sampling, "enable_thinking": thinking}
-    prompt_ids = None
     try:
-        prompt_ids = backend.render(prompt, thinking)
-        output_ids, finish = backend.complete(prompt_ids, sampling, sample_seed(sampling["seed"], prompt["id"]))
+        g = backend.generate(prompt, sampling, thinking, sample_seed(sampling["seed"], prompt["id"]))
     except Exception as e:  # one bad prompt must not cost the shard: it becomes an error record
         log.warning("prompt %s failed: %s: %s", prompt["id"], type(e).__name__, e)
         return {**record, "text": "", "reasoning": None, "content": "", "finish_reason": "error",
-                "prompt_token_ids": prompt_ids, "output_token_ids": None,
-                "usage": {"prompt_tokens": len(prompt_ids or []), "completion_tokens": 0},
+                "prompt_token_ids": None, "output_token_ids": None,
+                "usage": {"prompt_tokens": 0, "completion_tokens": 0},
                 "generation": generation, "error": f"{type(e).__name__}: {e}"}
-    text = backend.decode(output_ids[:-1] if finish == "stop" else output_ids)
-    reasoning, content = split_reasoning(text, thinking)
-    return {**record, "text": text, "reasoning": reasoning, "content": content, "finish_reason": finish,
-            "prompt_token_ids": prompt_ids, "output_token_ids": output_ids,
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(output_ids)},
+    if g.reconstructed:
+        generation["reconstructed"] = True
+    reasoning, content = split_reasoning(g.text, thinking)
+    return {**record, "text": g.text, "reasoning": reasoning, "content": content, "finish_reason": g.finish_reason,
+            "prompt_token_ids": g.prompt_ids, "output_token_ids": g.output_ids,
+            "usage": {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens},
             "generation": generation, "error": None}
 
 
 def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: dict) -> dict:
     """Generate one completion per prompt of the shard; returns a summary."""
-    if cfg["backend"] != "transformers":
-        raise NotImplementedError(f"generate.backend {cfg['backend']!r} is not available yet; use 'transformers'")
     prompts = list(iter_jsonl(prompts_path))
-    backend = TransformersBackend(target_dir)
-    sampling = resolve_sampling(cfg, backend.model.generation_config)
+    backend = BACKENDS[cfg["backend"]](target_dir, cfg)
+    sampling = resolve_sampling(cfg, backend.generation_config())
     thinking = cfg["enable_thinking"]
     t0 = time.time()
     records, tokens = [], 0

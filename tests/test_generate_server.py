@@ -1,0 +1,107 @@
+"""The ``openai`` backend against a real OpenAI-compatible server: ``transformers serve`` running
+the demo target on 127.0.0.1 (started and stopped here)."""
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from dflash.generate import generate_shard, rebuild_text, split_reasoning
+from dflash.io import read_jsonl, write_jsonl_zst
+from dflash.prompts import read_source
+from dflash.tokenize import tokenize_shard
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(target_dir, tmp_path_factory):
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w")
+    cli = Path(sys.executable).parent / "transformers"
+    proc = subprocess.Popen([str(cli), "serve", "--host", "127.0.0.1", "--port", str(port), str(target_dir)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=1)
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"transformers serve exited: {Path(log.name).read_text()[-2000:]}")
+                time.sleep(0.5)
+        else:
+            raise RuntimeError("transformers serve did not become healthy in 60 s")
+        yield f"{url}/v1"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def cfg(url, **server):
+    return {"backend": "openai", "enable_thinking": True,
+            "sampling": {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "max_tokens": 32, "seed": 0},
+            "server": {"url": url, "dialect": "openai", "model": None, "api_key_env": None, "timeout_s": 60,
+                       "retries": 1, "extra_body": {}, **server}}
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory, demo_sources):
+    recs = list(read_source(demo_sources[0]))[:2] + list(read_source(demo_sources[3]))[:2]  # chat + tool prompts
+    path = tmp_path_factory.mktemp("p") / "shard-00000.jsonl.zst"
+    write_jsonl_zst(path, recs)
+    return path, recs
+
+
+def test_openai_backend_against_a_real_server(server, prompts, target, target_dir, tmp_path):
+    path, recs = prompts
+    summary = generate_shard(path, tmp_path / "c.jsonl.zst", target_dir, cfg(server))
+    out = read_jsonl(tmp_path / "c.jsonl.zst")
+    assert summary["records"] == 4 and summary["finish_reasons"]["error"] == 0
+    assert [r["id"] for r in out] == [r["id"] for r in recs]
+    for rec in out:
+        assert rec["finish_reason"] in ("stop", "length") and rec["error"] is None
+        assert rec["generation"]["backend"] == "openai" and rec["generation"]["reconstructed"] is True
+        assert rec["output_token_ids"] is None  # this server reports no ids: text rebuilt from its fields
+        assert rec["usage"]["completion_tokens"] > 0 and rec["usage"]["prompt_tokens"] > 0
+        assert (rec["reasoning"], rec["content"]) == split_reasoning(rec["text"], True)
+    # Records without ids still tokenize, through the chat template.
+    write_jsonl_zst(tmp_path / "v.jsonl.zst", out)
+    stats = tokenize_shard(tmp_path / "v.jsonl.zst", tmp_path / "t.safetensors", tmp_path / "t.json", target[1],
+                           {"max_length": 4096})
+    assert stats["from_text"] == 4
+
+
+def test_unreachable_server_gives_error_records(prompts, target_dir, tmp_path):
+    path, _ = prompts
+    summary = generate_shard(path, tmp_path / "c.jsonl.zst", target_dir, cfg(f"http://127.0.0.1:{free_port()}/v1", retries=0))
+    out = read_jsonl(tmp_path / "c.jsonl.zst")
+    assert summary["finish_reasons"]["error"] == len(out) == 4
+    assert all(r["error"].startswith("ConnectionError: http://127.0.0.1:") for r in out)
+
+
+def test_rejected_request_field_is_a_clear_error(server, prompts, target_dir, tmp_path):
+    path, _ = prompts
+    generate_shard(path, tmp_path / "c.jsonl.zst", target_dir, cfg(server, dialect="vllm"))
+    err = read_jsonl(tmp_path / "c.jsonl.zst")[0]["error"]
+    assert "HTTP 422" in err and "return_token_ids" in err
+
+
+def test_rebuild_text():
+    msg = {"reasoning_content": "R\n", "content": "\n\n",
+           "tool_calls": [{"function": {"name": "f", "arguments": '{"a": "x", "n": 2}'}}]}
+    assert rebuild_text(msg, True) == ("R\n</think>\n\n<tool_call>\n<function=f>\n<parameter=a>\nx\n</parameter>\n"
+                                       "<parameter=n>\n2\n</parameter>\n</function>\n</tool_call>")
+    assert rebuild_text({"reasoning_content": "R\n", "content": "\n\nC"}, True) == "R\n</think>\n\nC"
+    assert rebuild_text({"content": "C"}, False) == "C"
