@@ -16,8 +16,16 @@ install: $(BIN)/dflash
 demo: install
 	$(BIN)/snakemake --cores $(CORES)
 
-test: install
-	$(BIN)/pytest -q
+# The reference DFlash implementation (PyPI dflash 0.1.0, whose import name clashes with ours):
+# unpacked, not installed; the compatibility tests load its model.py by path.
+REFERENCE := .cache/dflash-reference
+$(REFERENCE)/dflash/model.py:
+	$(BIN)/pip download -q --no-deps dflash==0.1.0 -d $(REFERENCE)
+	cd $(REFERENCE) && ../../$(BIN)/python -m zipfile -e dflash-0.1.0-py3-none-any.whl .
+	@touch $@
+
+test: install $(REFERENCE)/dflash/model.py
+	DFLASH_REFERENCE_MODEL_PY=$(REFERENCE)/dflash/model.py $(BIN)/pytest -q
 
 clean:
-	rm -rf results .snakemake
+	rm -rf results .snakemake .cache

@@ -159,13 +159,14 @@ def test_checkpoint_round_trip(tmp_path):
 
 # --- parity with the reference implementation (PyPI dflash==0.1.0) --------------------------
 
-REFERENCE_MODEL_PY = Path(os.environ.get("DFLASH_REFERENCE_MODEL_PY", "/tmp/dflash_ref/dflash/model.py"))
+REFERENCE_MODEL_PY = Path(os.environ.get("DFLASH_REFERENCE_MODEL_PY", Path(__file__).resolve().parents[1]
+                                          / ".cache/dflash-reference/dflash/model.py"))
 
 
 @pytest.fixture(scope="module")
 def reference():
-    """The wheel's ``dflash/model.py``, loaded by path: its package name is ours too. Get it with
-    ``pip download --no-deps dflash==0.1.0 -d /tmp/dflash_ref`` and unzip the wheel there."""
+    """The wheel's ``dflash/model.py``, loaded by path: its package name is ours too. ``make test``
+    downloads and unpacks it into ``.cache/dflash-reference``."""
     if not REFERENCE_MODEL_PY.exists():
         pytest.skip(f"reference model.py not found at {REFERENCE_MODEL_PY} (set DFLASH_REFERENCE_MODEL_PY)")
     spec = importlib.util.spec_from_file_location("dflash_reference_model", REFERENCE_MODEL_PY)

@@ -4,6 +4,7 @@ import pytest
 
 from dflash.generate import generate_shard, sample_seed, split_reasoning
 from dflash.io import read_jsonl, write_jsonl_zst
+from dflash.records import record_errors
 from dflash.prompts import read_source
 
 DESIGN_FIELDS = {"id", "prompt_id", "source", "category", "messages", "tools", "text", "reasoning", "content",
@@ -34,7 +35,7 @@ def test_records_are_exact(tmp_path, prompt_shard, target, target_dir):
     assert [r["id"] for r in recs] == [p["id"] for p in prompts]
     stop = {tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")}
     for rec, prompt in zip(recs, prompts):
-        assert set(rec) == DESIGN_FIELDS
+        assert set(rec) == DESIGN_FIELDS and record_errors("completion", rec) == []
         assert rec["messages"] == prompt["messages"] and rec["tools"] == prompt["tools"]
         rendered = tok.apply_chat_template(prompt["messages"], tools=prompt["tools"], add_generation_prompt=True,
                                            enable_thinking=True, tokenize=False)

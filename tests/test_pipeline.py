@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
+from dflash.records import record_errors
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -68,6 +69,10 @@ def test_whole_chain_runs_and_writes_every_stage(pipeline):
     assert manifest["prompts"] == 32 and manifest["heldout"] == 8
     assert [s["records"] for s in manifest["shards"]] == [12, 12, 8]
     for shard in ("00000", "00001", "00002"):
+        for kind, stage in [("prompt", "prompts"), ("completion", "completions"), ("completion", "validated"),
+                            ("completion", "rejected")]:
+            for rec in read_jsonl(res / stage / f"shard-{shard}.jsonl.zst"):
+                assert record_errors(kind, rec) == [], (stage, shard, rec["id"])
         comps = read_jsonl(res / "completions" / f"shard-{shard}.jsonl.zst")
         assert all(c["output_token_ids"] and c["prompt_token_ids"] for c in comps)
         qa = read_json(res / "qa" / f"shard-{shard}.json")

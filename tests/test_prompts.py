@@ -6,6 +6,7 @@ from jsonschema import Draft202012Validator
 
 from dflash.io import iter_jsonl, read_json, read_jsonl
 from dflash.prompts import build_prompts, read_source, stratify
+from dflash.records import record_errors
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,7 @@ def test_records_are_canonical_and_reference_turn_dropped(built):
     assert len(recs) == 50
     for r in recs:
         assert set(r) == {"id", "source", "category", "messages", "tools", "meta"}
+        assert record_errors("prompt", r) == []
         assert len(r["id"]) == 16
         assert r["messages"][-1]["role"] == "user"
         assert r["meta"]["split"] == "train"
@@ -122,3 +124,10 @@ def test_shipped_tool_calls_match_offered_schemas(demo_sources):
                 nofit += 1
                 assert ref["content"].strip()
     assert calls >= 40 and nofit >= 10
+
+
+def test_record_schemas_catch_bad_records():
+    bad = {"id": "xyz", "source": "s", "category": "poetry", "messages": [], "tools": None, "meta": {}}
+    errors = record_errors("prompt", bad)
+    assert any(e.startswith("id:") for e in errors) and any(e.startswith("category:") for e in errors)
+    assert any(e.startswith("messages:") for e in errors)
