@@ -13,7 +13,6 @@ With ``target.path`` set in the config none of this runs: the pipeline uses that
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random

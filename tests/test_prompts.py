@@ -68,7 +68,7 @@ def test_ids_are_stable_and_duplicates_dropped(tmp_path, demo_sources):
     dup.write_text("\n".join(lines + lines[:2]) + "\n")
     sources = [{"name": "s", "path": str(dup), "format": "openai"}]
     m1 = build_prompts(sources, tmp_path / "a", shard_size=10)
-    m2 = build_prompts(sources, tmp_path / "b", shard_size=10)
+    build_prompts(sources, tmp_path / "b", shard_size=10)
     assert m1["dropped"] == {"duplicate": 2} and m1["prompts"] == 5
     ids_a = [r["id"] for r in read_jsonl(tmp_path / "a" / "shard-00000.jsonl.zst")]
     ids_b = [r["id"] for r in read_jsonl(tmp_path / "b" / "shard-00000.jsonl.zst")]
