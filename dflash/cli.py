@@ -28,7 +28,7 @@ def _target(cfg, a):
 def _generate(cfg, a):
     from dflash.generate import generate_shard
 
-    generate_shard(a.prompts, a.out, a.target, cfg["generate"])
+    generate_shard(a.prompts, a.out, a.target, cfg["generate"], a.summary)
 
 
 def _validate(cfg, a):
@@ -90,7 +90,8 @@ def parser() -> argparse.ArgumentParser:
     stage("prompts", _prompts, "source files of the config -> prompt shards folder", ("--out", path))
     stage("target", _target, "build and teach the tiny demo target", ("--out", path))
     stage("generate", _generate, "prompt shard -> completion shard",
-          ("--prompts", path), target, ("--out", path))
+          ("--prompts", path), target, ("--out", path),
+          ("--summary", {"type": Path, "help": "also write the shard's summary JSON here"}))
     stage("validate", _validate, "completion shard -> validated, rejected shards + QA JSON",
           ("--completions", path), ("--validated", path), ("--rejected", path), ("--qa", path))
     stage("tokenize", _tokenize, "validated shard -> tokenized rows (.safetensors + .json index)",

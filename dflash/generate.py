@@ -13,12 +13,13 @@ import random
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from dflash.io import iter_jsonl, write_jsonl_zst
+from dflash.io import atomic_path, iter_jsonl, write_json, write_jsonl_zst
 from dflash.workflow import progress
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ class OpenAIBackend:
         self.timeout = server["timeout_s"]
         self.retries = server["retries"]
         self.extra_body = server["extra_body"]
+        self.retries_done = 0
         self.model_name = server["model"] or str(target_dir)
         key = os.environ.get(server["api_key_env"]) if server.get("api_key_env") else None
         self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
@@ -163,6 +165,7 @@ class OpenAIBackend:
             except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
                 if attempt == self.retries:
                     raise ConnectionError(f"{self.url}: {getattr(e, 'reason', e)}") from None
+            self.retries_done += 1  # a plain int: a lost update under threads only blurs a statistic
             time.sleep(min(30.0, 2 ** attempt) * (0.5 + random.random()))
         raise AssertionError("unreachable")
 
@@ -237,28 +240,102 @@ def completion_record(prompt: dict, backend, sampling: dict, thinking: bool) -> 
             "generation": generation, "error": None}
 
 
-def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: dict) -> dict:
-    """Generate one completion per prompt of the shard; returns a summary."""
+def partial_path(out_path: str | Path) -> Path:
+    """Where finished records of an unfinished shard accumulate: beside the output, never
+    mistaken for it, and not a Snakemake output (so a failed job does not delete it)."""
+    out_path = Path(out_path)
+    return out_path.with_name(f".{out_path.name}.partial.jsonl")
+
+
+def load_partial(path: Path, wanted: set[str]) -> dict[str, dict]:
+    """Finished records of an interrupted run, rewritten clean: a line torn by a kill is dropped
+    (appending after it would corrupt the next record), as are ids not in this shard."""
+    done: dict[str, dict] = {}
+    if not path.exists():
+        return done
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("id") in wanted:
+                done.setdefault(rec["id"], rec)
+    with atomic_path(path) as tmp:
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done.values()), encoding="utf-8")
+    return done
+
+
+def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: dict,
+                   summary_path: Path | None = None) -> dict:
+    """Generate one completion per prompt of the shard, resumably; returns a summary.
+
+    Each finished record is appended (and flushed) to the partial file as it completes; a re-run
+    skips the ids already there. Error records are not kept there, so a re-run retries them. The
+    shard appears only when every prompt id has exactly one record; more errors than
+    ``max_error_fraction`` fail the job instead (finished records stay for the re-run).
+    """
     prompts = list(iter_jsonl(prompts_path))
+    ids = [p["id"] for p in prompts]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{prompts_path}: duplicate prompt ids")
+    partial = partial_path(out_path)
+    done = load_partial(partial, set(ids))
+    pending = [p for p in prompts if p["id"] not in done]
     backend = BACKENDS[cfg["backend"]](target_dir, cfg)
     sampling = resolve_sampling(cfg, backend.generation_config())
     thinking = cfg["enable_thinking"]
+    concurrency = cfg["server"]["concurrency"] if cfg["backend"] == "openai" else 1
+    name = Path(prompts_path).name
+    if done:
+        log.info("generate %s: resuming, %d of %d records already finished", name, len(done), len(prompts))
     t0 = time.time()
-    records, tokens = [], 0
-    bar = progress(prompts, desc=f"generate {Path(prompts_path).name}", unit="prompt")
-    for prompt in bar:
-        rec = completion_record(prompt, backend, sampling, thinking)
-        records.append(rec)
-        tokens += rec["usage"]["completion_tokens"]
-        bar.set_postfix(tok_s=f"{tokens / max(time.time() - t0, 1e-9):.0f}", refresh=False)
-    write_jsonl_zst(out_path, records)
+    errors: dict[str, dict] = {}
+    tokens = 0
+    bar = progress(total=len(pending), desc=f"generate {name}", unit="prompt")
+    with open(partial, "a", encoding="utf-8") as sink:
+        def finish(rec: dict) -> None:
+            nonlocal tokens
+            if rec["finish_reason"] == "error":
+                errors[rec["id"]] = rec
+            else:
+                sink.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                sink.flush()
+                done[rec["id"]] = rec
+                tokens += rec["usage"]["completion_tokens"]
+            bar.update()
+            bar.set_postfix(tok_s=f"{tokens / max(time.time() - t0, 1e-9):.0f}", errors=len(errors), refresh=False)
+
+        if concurrency == 1:
+            for prompt in pending:
+                finish(completion_record(prompt, backend, sampling, thinking))
+        else:
+            with ThreadPoolExecutor(concurrency) as pool:
+                futures = [pool.submit(completion_record, p, backend, sampling, thinking) for p in pending]
+                for future in as_completed(futures):
+                    finish(future.result())
+    bar.close()
     seconds = time.time() - t0
+    records = [done.get(i) or errors[i] for i in ids]
     summary = {
+        "shard": name,
         "records": len(records),
-        "finish_reasons": {r: sum(x["finish_reason"] == r for x in records) for r in ("stop", "length", "error")},
+        "resumed": len(prompts) - len(pending),
+        "requests": len(pending),
+        "retries": getattr(backend, "retries_done", 0),
+        "errors": len(errors),
+        "finish_reasons": {r: sum(x["finish_reason"] == r for x in records) for r in ("stop", "length", "abort", "error")},
         "output_tokens": tokens,
         "seconds": round(seconds, 2),
         "output_tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
     }
-    log.info("generate %s: %s", Path(prompts_path).name, summary)
+    log.info("generate %s: %s", name, summary)
+    if summary_path is not None:
+        write_json(summary_path, summary)
+    if len(errors) > cfg["max_error_fraction"] * len(prompts):
+        example = next(iter(errors.values()))["error"]
+        raise RuntimeError(f"{name}: {len(errors)} of {len(prompts)} requests failed (e.g. {example}); "
+                           f"the {len(done)} finished records are kept in {partial}: re-run to resume")
+    write_jsonl_zst(out_path, records)
+    partial.unlink()
     return summary

@@ -4,7 +4,8 @@ rule generate:
         prompts=lambda wildcards: prompt_file(f"shard-{wildcards.shard}.jsonl.zst"),
         target=TARGET,
     output:
-        f"{OUT}/completions/shard-{{shard}}.jsonl.zst",
+        completions=f"{OUT}/completions/shard-{{shard}}.jsonl.zst",
+        summary=f"{OUT}/completions/shard-{{shard}}.summary.json",
     params:
         generate=config["generate"],
     threads: 1

@@ -4,4 +4,5 @@ start_job(snakemake)
 
 from dflash.generate import generate_shard  # noqa: E402
 
-generate_shard(snakemake.input.prompts, snakemake.output[0], snakemake.input.target, snakemake.params.generate)
+out = snakemake.output
+generate_shard(snakemake.input.prompts, out.completions, snakemake.input.target, snakemake.params.generate, out.summary)

@@ -1,11 +1,12 @@
+import json
 from pathlib import Path
 
 import pytest
 
-from dflash.generate import generate_shard, sample_seed, split_reasoning
-from dflash.io import read_jsonl, write_jsonl_zst
-from dflash.records import record_errors
+from dflash.generate import generate_shard, partial_path, sample_seed, split_reasoning
+from dflash.io import read_json, read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source
+from dflash.records import record_errors
 
 DESIGN_FIELDS = {"id", "prompt_id", "source", "category", "messages", "tools", "text", "reasoning", "content",
                  "finish_reason", "prompt_token_ids", "output_token_ids", "usage", "generation", "error"}
@@ -21,8 +22,8 @@ def prompt_shard(tmp_path_factory, demo_sources):
     return path, prompts
 
 
-def gen_cfg(**sampling):
-    return {"backend": "transformers", "enable_thinking": True,
+def gen_cfg(max_error_fraction=0.0, **sampling):
+    return {"backend": "transformers", "enable_thinking": True, "max_error_fraction": max_error_fraction,
             "sampling": {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "max_tokens": 24, "seed": 0, **sampling}}
 
 
@@ -55,6 +56,7 @@ def test_records_are_exact(tmp_path, prompt_shard, target, target_dir):
         assert rec["usage"] == {"prompt_tokens": len(rec["prompt_token_ids"]), "completion_tokens": len(out)}
         assert rec["generation"]["sampling"] == gen_cfg()["sampling"]
         assert rec["generation"]["enable_thinking"] is True and rec["error"] is None
+    assert not partial_path(tmp_path / "out.jsonl.zst").exists()
 
 
 def test_generation_is_reproducible_per_sample(tmp_path, prompt_shard, target_dir):
@@ -90,7 +92,24 @@ def test_bad_prompt_becomes_an_error_record(tmp_path, target_dir):
     bad = {"id": "0123456789abcdef", "source": "x", "category": "chat", "tools": None, "meta": {},
            "messages": [{"role": "assistant", "content": "no user turn"}]}
     write_jsonl_zst(tmp_path / "bad.jsonl.zst", [bad])
-    summary = generate_shard(Path(tmp_path / "bad.jsonl.zst"), tmp_path / "o.jsonl.zst", target_dir, gen_cfg())
+    with pytest.raises(RuntimeError, match=r"1 of 1 requests failed \(e.g. .*No user query"):
+        generate_shard(Path(tmp_path / "bad.jsonl.zst"), tmp_path / "o.jsonl.zst", target_dir, gen_cfg())
+    assert not (tmp_path / "o.jsonl.zst").exists()
+    summary = generate_shard(Path(tmp_path / "bad.jsonl.zst"), tmp_path / "o.jsonl.zst", target_dir,
+                             gen_cfg(max_error_fraction=1.0), summary_path=tmp_path / "s.json")
     (rec,) = read_jsonl(tmp_path / "o.jsonl.zst")
     assert rec["finish_reason"] == "error" and "No user query" in rec["error"] and rec["text"] == ""
-    assert summary["finish_reasons"]["error"] == 1
+    assert summary["finish_reasons"]["error"] == 1 and read_json(tmp_path / "s.json") == summary
+
+
+def test_resume_skips_finished_records_and_drops_a_torn_line(tmp_path, prompt_shard, target_dir):
+    path, prompts = prompt_shard
+    out = tmp_path / "r.jsonl.zst"
+    generate_shard(path, tmp_path / "full.jsonl.zst", target_dir, gen_cfg())
+    full = read_jsonl(tmp_path / "full.jsonl.zst")
+    # A job killed after two records, in the middle of writing the third.
+    partial_path(out).write_text("".join(json.dumps(r) + "\n" for r in full[:2]) + json.dumps(full[2])[:40])
+    summary = generate_shard(path, out, target_dir, gen_cfg())
+    assert summary["resumed"] == 2 and summary["requests"] == len(prompts) - 2
+    assert read_jsonl(out) == full  # every id exactly once, in prompt order, same samples (per-id seeds)
+    assert not partial_path(out).exists()

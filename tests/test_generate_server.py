@@ -1,5 +1,6 @@
 """The ``openai`` backend against a real OpenAI-compatible server: ``transformers serve`` running
 the demo target on 127.0.0.1 (started and stopped here)."""
+import json
 import socket
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.generate import generate_shard, rebuild_text, split_reasoning
+from dflash.generate import generate_shard, partial_path, rebuild_text, split_reasoning
 from dflash.io import read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source
 from dflash.tokenize import tokenize_shard
@@ -42,18 +43,18 @@ def server(target_dir, tmp_path_factory):
                 time.sleep(0.5)
         else:
             raise RuntimeError("transformers serve did not become healthy in 60 s")
-        yield f"{url}/v1"
+        yield f"{url}/v1", Path(log.name)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
 
 
-def cfg(url, **server):
-    return {"backend": "openai", "enable_thinking": True,
+def cfg(url, max_error_fraction=0.0, **server):
+    return {"backend": "openai", "enable_thinking": True, "max_error_fraction": max_error_fraction,
             "sampling": {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "max_tokens": 32, "seed": 0},
             "server": {"url": url, "dialect": "openai", "model": None, "api_key_env": None, "timeout_s": 60,
-                       "retries": 1, "extra_body": {}, **server}}
+                       "retries": 1, "extra_body": {}, "concurrency": 2, **server}}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def prompts(tmp_path_factory, demo_sources):
 
 def test_openai_backend_against_a_real_server(server, prompts, target, target_dir, tmp_path):
     path, recs = prompts
-    summary = generate_shard(path, tmp_path / "c.jsonl.zst", target_dir, cfg(server))
+    summary = generate_shard(path, tmp_path / "c.jsonl.zst", target_dir, cfg(server[0]))
     out = read_jsonl(tmp_path / "c.jsonl.zst")
     assert summary["records"] == 4 and summary["finish_reasons"]["error"] == 0
     assert [r["id"] for r in out] == [r["id"] for r in recs]
@@ -83,9 +84,12 @@ def test_openai_backend_against_a_real_server(server, prompts, target, target_di
     assert stats["from_text"] == 4
 
 
-def test_unreachable_server_gives_error_records(prompts, target_dir, tmp_path):
+def test_unreachable_server_fails_the_job_or_gives_error_records(prompts, target_dir, tmp_path):
     path, _ = prompts
-    summary = generate_shard(path, tmp_path / "c.jsonl.zst", target_dir, cfg(f"http://127.0.0.1:{free_port()}/v1", retries=0))
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    with pytest.raises(RuntimeError, match=r"4 of 4 requests failed \(e\.g\. ConnectionError: http://127"):
+        generate_shard(path, tmp_path / "c.jsonl.zst", target_dir, cfg(url, retries=0))
+    summary = generate_shard(path, tmp_path / "c.jsonl.zst", target_dir, cfg(url, max_error_fraction=1.0, retries=0))
     out = read_jsonl(tmp_path / "c.jsonl.zst")
     assert summary["finish_reasons"]["error"] == len(out) == 4
     assert all(r["error"].startswith("ConnectionError: http://127.0.0.1:") for r in out)
@@ -93,7 +97,7 @@ def test_unreachable_server_gives_error_records(prompts, target_dir, tmp_path):
 
 def test_rejected_request_field_is_a_clear_error(server, prompts, target_dir, tmp_path):
     path, _ = prompts
-    generate_shard(path, tmp_path / "c.jsonl.zst", target_dir, cfg(server, dialect="vllm"))
+    generate_shard(path, tmp_path / "c.jsonl.zst", target_dir, cfg(server[0], dialect="vllm", max_error_fraction=1.0))
     err = read_jsonl(tmp_path / "c.jsonl.zst")[0]["error"]
     assert "HTTP 422" in err and "return_token_ids" in err
 
@@ -105,3 +109,42 @@ def test_rebuild_text():
                                        "<parameter=n>\n2\n</parameter>\n</function>\n</tool_call>")
     assert rebuild_text({"reasoning_content": "R\n", "content": "\n\nC"}, True) == "R\n</think>\n\nC"
     assert rebuild_text({"content": "C"}, False) == "C"
+
+
+def requests_seen(server_log: Path) -> int:
+    return server_log.read_text().count('"POST /v1/chat/completions HTTP/1.1" 200')
+
+
+def test_killed_job_resumes_without_repeating_finished_requests(server, target_dir, demo_sources, tmp_path):
+    url, server_log = server
+    recs = list(read_source(demo_sources[1]))[:10]
+    shard = tmp_path / "shard-00000.jsonl.zst"
+    write_jsonl_zst(shard, recs)
+    out = tmp_path / "out.jsonl.zst"
+    settings = cfg(url, concurrency=1, retries=0)
+    settings["sampling"]["max_tokens"] = 64
+    job = [sys.executable, "-c", "import sys, json; from dflash.generate import generate_shard; "
+           "generate_shard(sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))",
+           str(shard), str(out), str(target_dir), json.dumps(settings)]
+    proc = subprocess.Popen(job, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    partial = partial_path(out)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not partial.exists() or partial.read_text().count("\n") < 3):
+        time.sleep(0.05)
+    proc.kill()  # SIGKILL: no cleanup, possibly mid-request
+    proc.wait()
+    assert not out.exists()
+    time.sleep(1.0)  # let the server finish and log the request that was in flight
+    before = requests_seen(server_log)
+    finished = set()
+    for line in partial.read_text().splitlines():
+        try:
+            finished.add(json.loads(line)["id"])
+        except json.JSONDecodeError:  # the record being written when the job was killed
+            pass
+    assert 3 <= len(finished) < 10
+    summary = generate_shard(shard, out, target_dir, settings)
+    assert requests_seen(server_log) - before == summary["requests"] == 10 - len(finished)
+    assert summary["resumed"] == len(finished)
+    assert [r["id"] for r in read_jsonl(out)] == [r["id"] for r in recs]
+    assert not partial.exists()
