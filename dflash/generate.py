@@ -157,7 +157,11 @@ class OpenAIBackend:
             request = urllib.request.Request(f"{self.url}/chat/completions", data=data, headers=self.headers)
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return json.loads(response.read())
+                    raw = response.read()
+                try:
+                    return json.loads(raw)
+                except json.JSONDecodeError:
+                    raise ValueError(f"malformed response from {self.url}: not JSON: {raw[:200]!r}") from None
             except urllib.error.HTTPError as e:
                 detail = e.read().decode("utf-8", "replace")[:500]
                 if e.code not in (408, 429) and e.code < 500 or attempt == self.retries:
@@ -179,7 +183,11 @@ class OpenAIBackend:
         if prompt.get("tools"):
             body["tools"] = prompt["tools"]
         response = self._post(body)
-        choice = response["choices"][0]
+        try:
+            choice = response["choices"][0]
+            choice["message"]
+        except (KeyError, IndexError, TypeError):
+            raise ValueError(f"malformed response from {self.url}: {json.dumps(response)[:300]}") from None
         finish = {"tool_calls": "stop"}.get(choice.get("finish_reason"), choice.get("finish_reason") or "stop")
         prompt_ids = response.get("prompt_token_ids") or choice.get("prompt_token_ids")
         output_ids = choice.get("token_ids") or choice.get("response_token_ids")
