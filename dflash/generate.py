@@ -173,7 +173,7 @@ class OpenAIBackend:
             time.sleep(min(30.0, 2 ** attempt) * (0.5 + random.random()))
         raise AssertionError("unreachable")
 
-    def generate(self, prompt: dict, sampling: dict, thinking: bool, seed: int) -> Generation:
+    def request_body(self, prompt: dict, sampling: dict, thinking: bool, seed: int) -> dict:
         body = {"model": self.model_name, "messages": prompt["messages"], "max_tokens": sampling["max_tokens"],
                 "temperature": sampling["temperature"], "top_p": sampling["top_p"], "seed": seed % 2**31,
                 "chat_template_kwargs": {"enable_thinking": thinking}, **self.ID_REQUESTS[self.dialect],
@@ -182,7 +182,10 @@ class OpenAIBackend:
             body["top_k"] = sampling["top_k"]
         if prompt.get("tools"):
             body["tools"] = prompt["tools"]
-        response = self._post(body)
+        return body
+
+    def generate(self, prompt: dict, sampling: dict, thinking: bool, seed: int) -> Generation:
+        response = self._post(self.request_body(prompt, sampling, thinking, seed))
         try:
             choice = response["choices"][0]
             choice["message"]

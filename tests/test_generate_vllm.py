@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ import pytest
 from dflash.generate import generate_shard, partial_path
 from dflash.io import read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source
+from dflash.server import ServerProcess, vllm_cpu_command
 from dflash.target import build_target
 
 pytestmark = pytest.mark.slow
@@ -34,43 +34,23 @@ def free_port() -> int:
 
 
 class VLLMServer:
+    """vLLM on a fixed port, restartable; every start logs to its own file."""
+
     def __init__(self, model: Path, logdir: Path):
-        self.model, self.logdir, self.port, self.proc, self.starts = model, logdir, free_port(), None, 0
+        self.model, self.logdir, self.port, self.starts, self.process = model, logdir, free_port(), 0, None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    @property
-    def log(self) -> Path:
-        return self.logdir / f"vllm-{self.starts}.log"
-
     def start(self) -> None:
         self.starts += 1
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
-               "VLLM_NO_USAGE_STATS": "1"}
-        cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-               "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-               "--max-model-len", "4096", "--enforce-eager",
-               # vLLM refuses requests with tools unless a tool parser is on (we decode the ids ourselves).
-               "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"]
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1)
-                return
-            except OSError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"vLLM exited: {self.log.read_text()[-3000:]}")
-                time.sleep(0.5)
-        raise RuntimeError(f"vLLM not healthy after 300 s: {self.log.read_text()[-3000:]}")
+        cmd, env = vllm_cpu_command(VLLM_PYTHON, self.model, self.port)
+        self.process = ServerProcess(cmd, f"http://127.0.0.1:{self.port}/health",
+                                     self.logdir / f"vllm-{self.starts}.log", env).start()
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the API server, engine core and worker
-            self.proc.wait()
+        self.process.stop(signal.SIGKILL)  # a crash, not a clean shutdown
 
     def requests(self) -> int:
         return sum(log.read_text().count('"POST /v1/chat/completions HTTP/1.1" 200')
