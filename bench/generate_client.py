@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -23,16 +22,10 @@ from dflash.config import load_config
 from dflash.generate import OpenAIBackend, generate_shard, resolve_sampling, sample_seed
 from dflash.io import write_jsonl_zst
 from dflash.prompts import read_source
-from dflash.server import ServerProcess, vllm_cpu_command
+from dflash.server import ServerProcess, free_port, vllm_cpu_command
 from dflash.target import build_target
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def bare_loop(url: str, bodies: list[dict], concurrency: int) -> tuple[int, float]:

@@ -1,11 +1,9 @@
 """The ``openai`` backend against a real OpenAI-compatible server: ``transformers serve`` running
 the demo target on 127.0.0.1 (started and stopped here)."""
 import json
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -13,41 +11,20 @@ import pytest
 from dflash.generate import generate_shard, partial_path, rebuild_text, split_reasoning
 from dflash.io import read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source
+from dflash.server import ServerProcess, free_port
 from dflash.tokenize import tokenize_shard
 
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(target_dir, tmp_path_factory):
     port = free_port()
-    log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w")
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
     cli = Path(sys.executable).parent / "transformers"
-    proc = subprocess.Popen([str(cli), "serve", "--host", "127.0.0.1", "--port", str(port), str(target_dir)],
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(120):
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=1)
-                break
-            except OSError:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"transformers serve exited: {Path(log.name).read_text()[-2000:]}")
-                time.sleep(0.5)
-        else:
-            raise RuntimeError("transformers serve did not become healthy in 60 s")
-        yield f"{url}/v1", Path(log.name)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+    cmd = [str(cli), "serve", "--host", "127.0.0.1", "--port", str(port), str(target_dir)]
+    with ServerProcess(cmd, f"http://127.0.0.1:{port}/health", log, ready_timeout_s=120):
+        yield f"http://127.0.0.1:{port}/v1", log
 
 
 def cfg(url, max_error_fraction=0.0, **server):

@@ -9,7 +9,6 @@ import copy
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,17 +19,11 @@ import pytest
 from dflash.generate import generate_shard, partial_path
 from dflash.io import read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source
-from dflash.server import ServerProcess, vllm_cpu_command
+from dflash.server import ServerProcess, free_port, vllm_cpu_command
 from dflash.target import build_target
 
 pytestmark = pytest.mark.slow
 VLLM_PYTHON = os.environ.get("DFLASH_VLLM_PYTHON")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class VLLMServer:
