@@ -28,11 +28,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 
 from dflash.drafter import DFlashDraftModel, TargetIO, load_drafter
 from dflash.hidden import forward_features
+from dflash.target import stop_token_ids
 from dflash.train import pick_device
 from dflash.workflow import progress
 
 DEFAULTS = {"max_new_tokens": 96, "block_size": None, "device": "auto", "seed": 0}
-STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 
 def untrained_drafter(drafter_dir: Path, seed: int = 0) -> tuple[DFlashDraftModel, Qwen3Config]:
@@ -42,14 +42,6 @@ def untrained_drafter(drafter_dir: Path, seed: int = 0) -> tuple[DFlashDraftMode
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return DFlashDraftModel(config), config
-
-
-def stop_token_ids(tokenizer, target: PreTrainedModel) -> set[int]:
-    ids = {tokenizer.convert_tokens_to_ids(t) for t in STOP_TOKENS} | {tokenizer.eos_token_id}
-    eos = target.generation_config.eos_token_id if target.generation_config is not None else None
-    ids |= set(eos if isinstance(eos, list) else [eos])
-    # Tokens missing from the vocabulary come back as None or as the unknown token.
-    return {i for i in ids if i is not None and i != tokenizer.unk_token_id}
 
 
 def propose(drafter: DFlashDraftModel, io: TargetIO, context: torch.Tensor, last_token: int,
@@ -135,7 +127,7 @@ def evaluate(target_dir: Path, drafter_dir: Path | None, prompts: list[dict], cf
         check_drafter(drafter, config, target, drafter_dir, cfg["block_size"])
         drafter = drafter.to(device, target.dtype).eval()
     io = TargetIO.from_model(target)
-    stop_ids = stop_token_ids(tokenizer, target)
+    stop_ids = stop_token_ids(tokenizer, target.generation_config)
     log.info("evaluating %s with drafter %s%s on %d prompts, stop ids %s", target_dir, drafter_dir,
              " (untrained)" if init_only else "", len(prompts), sorted(stop_ids))
 

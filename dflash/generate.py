@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from dflash.io import atomic_path, iter_jsonl, write_json, write_jsonl_zst
+from dflash.target import stop_token_ids
 from dflash.workflow import progress
 
 log = logging.getLogger(__name__)
@@ -52,12 +53,6 @@ def resolve_sampling(cfg: dict, generation_config) -> dict:
     return s
 
 
-def stop_ids(model, tokenizer) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
-    return ids or [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-
-
 @dataclass
 class Generation:
     """What a backend returns for one prompt. Ids are None when the engine does not report them."""
@@ -84,7 +79,7 @@ class TransformersBackend:
         self.model, self.tokenizer = load_target(target_dir)
         self.model_name = Path(target_dir).name
         self.engine_version = f"transformers {transformers.__version__}, torch {torch.__version__}"
-        self.stop = stop_ids(self.model, self.tokenizer)
+        self.stop = sorted(stop_token_ids(self.tokenizer, self.model.generation_config))
 
     def generation_config(self):
         return self.model.generation_config
@@ -141,11 +136,11 @@ class OpenAIBackend:
         key = os.environ.get(server["api_key_env"]) if server.get("api_key_env") else None
         self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        self.stop = {self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
         try:
             self._generation_config = GenerationConfig.from_pretrained(target_dir)
         except OSError:
             self._generation_config = GenerationConfig()
+        self.stop = stop_token_ids(self.tokenizer, self._generation_config)
         self.engine_version = f"{self.dialect} server at {self.url}"
 
     def generation_config(self):

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from dflash.io import atomic_path, iter_jsonl, write_json
+from dflash.target import stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def has_anchor(mask: list[int]) -> bool:
 
 def tokenize_shard(validated_path: Path, out_tensors: Path, out_index: Path, tokenizer, cfg: dict) -> dict:
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    stop_ids = {end_of_turn, tokenizer.convert_tokens_to_ids("<|endoftext|>")}
+    stop_ids = stop_token_ids(tokenizer)
     max_length = cfg["max_length"]
     ids_all: list[int] = []
     mask_all: list[int] = []

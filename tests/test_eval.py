@@ -12,7 +12,8 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from dflash.drafter import TargetIO, load_drafter
-from dflash.eval import evaluate, speculative_generate, stop_token_ids, untrained_drafter
+from dflash.eval import evaluate, speculative_generate, untrained_drafter
+from dflash.target import stop_token_ids
 from dflash.train import train
 from test_drafter import reference  # noqa: F401 - the fixture with the reference wheel's model.py
 from test_train import LAYER_IDS, TRAIN_CFG, make_target, write_shards
@@ -103,7 +104,7 @@ def trained_drafter(tiny_target_dir, tiny_target, answers, tmp_path_factory):
 
 
 def test_stop_token_ids(tokenizer, tiny_target):
-    assert stop_token_ids(tokenizer, tiny_target) == {IM_END, ENDOFTEXT}
+    assert stop_token_ids(tokenizer, tiny_target.generation_config) == {IM_END, ENDOFTEXT}
 
 
 def test_speculative_decoding_is_lossless(tiny_target, answers, trained_drafter):
