@@ -13,6 +13,7 @@ import random
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 
 from dflash.io import atomic_path, iter_jsonl, write_json, write_jsonl_zst
 from dflash.target import stop_token_ids
+from dflash.toolcalls import parse_tool_calls, text_before_calls
 from dflash.workflow import progress
 
 log = logging.getLogger(__name__)
@@ -169,7 +171,8 @@ class OpenAIBackend:
         raise AssertionError("unreachable")
 
     def request_body(self, prompt: dict, sampling: dict, thinking: bool, seed: int) -> dict:
-        body = {"model": self.model_name, "messages": prompt["messages"], "max_tokens": sampling["max_tokens"],
+        body = {"model": self.model_name, "messages": [self.wire_message(m) for m in prompt["messages"]],
+                "max_tokens": sampling["max_tokens"],
                 "temperature": sampling["temperature"], "top_p": sampling["top_p"], "seed": seed % 2**31,
                 "chat_template_kwargs": {"enable_thinking": thinking}, **self.ID_REQUESTS[self.dialect],
                 **self.extra_body}
@@ -178,6 +181,21 @@ class OpenAIBackend:
         if prompt.get("tools"):
             body["tools"] = prompt["tools"]
         return body
+
+    def wire_message(self, message: dict) -> dict:
+        """A message as the OpenAI API takes it: tool-call arguments as a JSON string (vLLM and SGLang
+        parse it back for the template); vLLM reads an earlier turn's reasoning from ``reasoning``."""
+        if message["role"] != "assistant":
+            return message
+        message = dict(message)
+        if message.get("tool_calls"):
+            message["tool_calls"] = [
+                {"id": f"call_{i}", "type": "function", **call,
+                 "function": {**call["function"], "arguments": _json_text(call["function"]["arguments"])}}
+                for i, call in enumerate(message["tool_calls"])]
+        if self.dialect == "vllm" and message.get("reasoning_content") is not None:
+            message["reasoning"] = message.pop("reasoning_content")
+        return message
 
     def generate(self, prompt: dict, sampling: dict, thinking: bool, seed: int) -> Generation:
         response = self._post(self.request_body(prompt, sampling, thinking, seed))
@@ -197,6 +215,10 @@ class OpenAIBackend:
             text, reconstructed = rebuild_text(choice["message"], thinking), True
         return Generation(text, finish, prompt_ids, output_ids, usage.get("prompt_tokens", len(prompt_ids or [])),
                           usage.get("completion_tokens", len(output_ids or [])), reconstructed)
+
+
+def _json_text(arguments) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
 def rebuild_text(message: dict, thinking: bool) -> str:
@@ -219,20 +241,21 @@ def rebuild_text(message: dict, thinking: bool) -> str:
 BACKENDS = {"transformers": TransformersBackend, "openai": OpenAIBackend}
 
 
-def sample_seed(base: int, prompt_id: str) -> int:
+def sample_seed(base: int, prompt_id: str, step: int = 0) -> int:
     """Per-sample seed: the same sample draws the same tokens whatever shard it lands in."""
-    return (base * 1_000_003 + int(prompt_id[:12], 16)) % (2**63)
+    return (base * 1_000_003 + int(prompt_id[:12], 16) + step) % (2**63)
 
 
-def completion_record(prompt: dict, backend, sampling: dict, thinking: bool) -> dict:
+def completion_record(prompt: dict, backend, sampling: dict, thinking: bool, step: int = 0) -> dict:
+    """One generation for ``prompt["messages"]``; step N > 0 of a replayed conversation gets id ``-gN``."""
     base = {k: prompt[k] for k in ("source", "category", "messages", "tools")}
-    record = {"id": prompt["id"], "prompt_id": prompt["id"], **base}
+    record = {"id": f"{prompt['id']}-g{step}" if step else prompt["id"], "prompt_id": prompt["id"], **base}
     generation = {"backend": backend.name, "engine_version": backend.engine_version, "model": backend.model_name,
                   "sampling": sampling, "enable_thinking": thinking}
     try:
-        g = backend.generate(prompt, sampling, thinking, sample_seed(sampling["seed"], prompt["id"]))
+        g = backend.generate(prompt, sampling, thinking, sample_seed(sampling["seed"], prompt["id"], step))
     except Exception as e:  # one bad prompt must not cost the shard: it becomes an error record
-        log.warning("prompt %s failed: %s: %s", prompt["id"], type(e).__name__, e)
+        log.warning("prompt %s failed: %s: %s", record["id"], type(e).__name__, e)
         return {**record, "text": "", "reasoning": None, "content": "", "finish_reason": "error",
                 "prompt_token_ids": None, "output_token_ids": None,
                 "usage": {"prompt_tokens": 0, "completion_tokens": 0},
@@ -246,6 +269,61 @@ def completion_record(prompt: dict, backend, sampling: dict, thinking: bool) -> 
             "generation": generation, "error": None}
 
 
+def replay_stop(rec: dict, step: dict | None) -> tuple[str | None, str | None]:
+    """(reason code, detail) why a replayed conversation ends after ``rec``; (None, None) when the
+    model called exactly the tools of the source's next ``step``, whose cached results come next."""
+    if rec["finish_reason"] != "stop":
+        return f"finish_{rec['finish_reason']}", f"the generation ended with finish_reason {rec['finish_reason']}"
+    calls = [c["name"] for c in parse_tool_calls(rec["content"])]
+    if step is None:
+        if calls:
+            return "extra_call", f"called {', '.join(calls)} after the last cached result"
+        return "completed", None
+    expected = step["calls"]
+    if not calls:
+        return "no_call", f"answered without a tool call; the source called {', '.join(expected)}"
+    if len(calls) > len(expected):
+        return "parallel_calls", f"called {', '.join(calls)}; the source called {', '.join(expected)}"
+    if calls != expected:
+        return "other_tool", f"called {', '.join(calls)}; the source called {', '.join(expected)}"
+    return None, None
+
+
+def assistant_turn(rec: dict) -> dict:
+    """The model's generation as a chat message, for the template to render into the next prompt."""
+    calls = parse_tool_calls(rec["content"])
+    turn = {"role": "assistant", "content": text_before_calls(rec["content"]),
+            "tool_calls": [{"type": "function", "function": c} for c in calls]}
+    if rec["reasoning"] is not None:
+        turn["reasoning_content"] = rec["reasoning"]
+    return turn
+
+
+def generate_conversation(prompt: dict, backend, sampling: dict, thinking: bool) -> list[dict]:
+    """The completion records of one prompt: one, or for a prompt with ``meta.replay`` one per
+    assistant generation while the model calls the tools whose cached results come next.
+
+    Each replayed record has ``replay = {step, steps, stop, detail}``; ``stop`` is set on the last
+    one (``completed`` or the mismatch: ``no_call``, ``other_tool``, ``parallel_calls``,
+    ``extra_call``, ``finish_<reason>``).
+    """
+    steps = prompt.get("meta", {}).get("replay") or []
+    rec = completion_record(prompt, backend, sampling, thinking)
+    if not steps:
+        return [rec]
+    records = []
+    for n in range(len(steps) + 1):
+        if n:
+            rec = completion_record(prompt, backend, sampling, thinking, step=n)
+        stop, detail = replay_stop(rec, steps[n] if n < len(steps) else None)
+        rec["replay"] = {"step": n, "steps": len(steps), "stop": stop, "detail": detail}
+        records.append(rec)
+        if stop:
+            return records
+        prompt = {**prompt, "messages": prompt["messages"] + [assistant_turn(rec), *steps[n]["results"]]}
+    raise AssertionError("unreachable: the last step always stops")
+
+
 def partial_path(out_path: str | Path) -> Path:
     """Where finished records of an unfinished shard accumulate: beside the output, never
     mistaken for it, and not a Snakemake output (so a failed job does not delete it)."""
@@ -253,33 +331,41 @@ def partial_path(out_path: str | Path) -> Path:
     return out_path.with_name(f".{out_path.name}.partial.jsonl")
 
 
-def load_partial(path: Path, wanted: set[str]) -> dict[str, dict]:
-    """Finished records of an interrupted run, rewritten clean: a line torn by a kill is dropped
-    (appending after it would corrupt the next record), as are ids not in this shard."""
-    done: dict[str, dict] = {}
+def finished(records: list[dict]) -> bool:
+    """A prompt's records are complete: its single generation, or a replay whose last record stops."""
+    return bool(records) and ("replay" not in records[-1] or records[-1]["replay"]["stop"] is not None)
+
+
+def load_partial(path: Path, wanted: set[str]) -> dict[str, list[dict]]:
+    """Finished prompts of an interrupted run (prompt id -> records), rewritten clean: a line torn
+    by a kill is dropped (appending after it would corrupt the next record), as are a replay cut
+    short by it and ids not in this shard."""
+    found: dict[str, list[dict]] = {}
     if not path.exists():
-        return done
+        return {}
     with open(path, encoding="utf-8") as f:
         for line in f:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if rec.get("id") in wanted:
-                done.setdefault(rec["id"], rec)
+            if rec.get("prompt_id") in wanted:
+                found.setdefault(rec["prompt_id"], []).append(rec)
+    done = {pid: recs for pid, recs in found.items() if finished(recs)}
     with atomic_path(path) as tmp:
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done.values()), encoding="utf-8")
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for recs in done.values() for r in recs),
+                       encoding="utf-8")
     return done
 
 
 def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: dict,
                    summary_path: Path | None = None) -> dict:
-    """Generate one completion per prompt of the shard, resumably; returns a summary.
+    """Generate the completion records of every prompt of the shard, resumably; returns a summary.
 
-    Each finished record is appended (and flushed) to the partial file as it completes; a re-run
-    skips the ids already there. Error records are not kept there, so a re-run retries them. The
-    shard appears only when every prompt id has exactly one record; more errors than
-    ``max_error_fraction`` fail the job instead (finished records stay for the re-run).
+    Each prompt's records are appended (and flushed) to the partial file once all are finished; a
+    re-run skips the prompts already there. Failed prompts are not kept there, so a re-run retries
+    them. The shard appears only when every prompt id has exactly one set of records; more failed
+    prompts than ``max_error_fraction`` fail the job instead (finished ones stay for the re-run).
     """
     prompts = list(iter_jsonl(prompts_path))
     ids = [p["id"] for p in prompts]
@@ -294,43 +380,46 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
     concurrency = cfg["server"]["concurrency"] if cfg["backend"] == "openai" else 1
     name = Path(prompts_path).name
     if done:
-        log.info("generate %s: resuming, %d of %d records already finished", name, len(done), len(prompts))
+        log.info("generate %s: resuming, %d of %d prompts already finished", name, len(done), len(prompts))
     t0 = time.time()
-    errors: dict[str, dict] = {}
-    tokens = 0
+    errors: dict[str, list[dict]] = {}
+    requests = tokens = 0
     bar = progress(total=len(pending), desc=f"generate {name}", unit="prompt")
     with open(partial, "a", encoding="utf-8") as sink:
-        def finish(rec: dict) -> None:
-            nonlocal tokens
-            if rec["finish_reason"] == "error":
-                errors[rec["id"]] = rec
+        def finish(recs: list[dict]) -> None:
+            nonlocal requests, tokens
+            requests += len(recs)
+            if any(r["finish_reason"] == "error" for r in recs):
+                errors[recs[0]["prompt_id"]] = recs
             else:
-                sink.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                sink.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
                 sink.flush()
-                done[rec["id"]] = rec
-                tokens += rec["usage"]["completion_tokens"]
+                done[recs[0]["prompt_id"]] = recs
+                tokens += sum(r["usage"]["completion_tokens"] for r in recs)
             bar.update()
             bar.set_postfix(tok_s=f"{tokens / max(time.time() - t0, 1e-9):.0f}", errors=len(errors), refresh=False)
 
         if concurrency == 1:
             for prompt in pending:
-                finish(completion_record(prompt, backend, sampling, thinking))
+                finish(generate_conversation(prompt, backend, sampling, thinking))
         else:
             with ThreadPoolExecutor(concurrency) as pool:
-                futures = [pool.submit(completion_record, p, backend, sampling, thinking) for p in pending]
+                futures = [pool.submit(generate_conversation, p, backend, sampling, thinking) for p in pending]
                 for future in as_completed(futures):
                     finish(future.result())
     bar.close()
     seconds = time.time() - t0
-    records = [done.get(i) or errors[i] for i in ids]
+    records = [r for i in ids for r in (done.get(i) or errors[i])]
     summary = {
         "shard": name,
+        "prompts": len(prompts),
         "records": len(records),
         "resumed": len(prompts) - len(pending),
-        "requests": len(pending),
+        "requests": requests,
         "retries": getattr(backend, "retries_done", 0),
         "errors": len(errors),
         "finish_reasons": {r: sum(x["finish_reason"] == r for x in records) for r in ("stop", "length", "abort", "error")},
+        "replay_stops": dict(Counter(r["replay"]["stop"] for r in records if r.get("replay", {}).get("stop"))),
         "output_tokens": tokens,
         "seconds": round(seconds, 2),
         "output_tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
@@ -339,9 +428,9 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
     if summary_path is not None:
         write_json(summary_path, summary)
     if len(errors) > cfg["max_error_fraction"] * len(prompts):
-        example = next(iter(errors.values()))["error"]
-        raise RuntimeError(f"{name}: {len(errors)} of {len(prompts)} requests failed (e.g. {example}); "
-                           f"the {len(done)} finished records are kept in {partial}: re-run to resume")
+        example = next(r["error"] for recs in errors.values() for r in recs if r["error"])
+        raise RuntimeError(f"{name}: {len(errors)} of {len(prompts)} prompts failed (e.g. {example}); "
+                           f"the {len(done)} finished ones are kept in {partial}: re-run to resume")
     write_jsonl_zst(out_path, records)
     partial.unlink()
     return summary

@@ -2,8 +2,10 @@
 
 A prompt record is ``{id, source, category, messages, tools, meta}`` (DESIGN.md). ``messages``
 is the conversation up to the generation: a trailing assistant turn in the source (a reference
-answer) is dropped. Records whose ``split`` is ``heldout`` (or every record of a source marked
-``split: heldout``) go to ``heldout.jsonl.zst`` for the eval and never into a training shard.
+answer) is dropped. A conversation with tool results is cut before its first tool call, and its
+calls and cached results become ``meta.replay`` for the generate stage to feed back. Records
+whose ``split`` is ``heldout`` (or every record of a source marked ``split: heldout``) go to
+``heldout.jsonl.zst`` for the eval and never into a training shard.
 """
 from __future__ import annotations
 
@@ -29,9 +31,38 @@ def stable_id(source: str, messages: list[dict], tools: list | None) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
 
-def content_key(messages: list[dict], tools: list | None) -> str:
-    blob = json.dumps({"messages": messages, "tools": tools}, sort_keys=True, ensure_ascii=False)
+def content_key(messages: list[dict], tools: list | None, replay: list | None = None) -> str:
+    blob = json.dumps({"messages": messages, "tools": tools, "replay": replay}, sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def _calls_tools(messages: list[dict], i: int) -> bool:
+    """Message i is an assistant tool call answered by tool results."""
+    return (messages[i]["role"] == "assistant" and bool(messages[i].get("tool_calls"))
+            and i + 1 < len(messages) and messages[i + 1]["role"] == "tool")
+
+
+def split_replay(messages: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(prompt messages, replay steps) of a source conversation.
+
+    Each step is ``{"calls": [tool names the source called], "results": [its tool messages]}``,
+    read from the first answered tool call on while calls and results alternate; what follows
+    (the reference answer, later user turns) is not replayed.
+    """
+    first = next((i for i in range(len(messages)) if _calls_tools(messages, i)), None)
+    if first is None:
+        while messages and messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+        return messages, []
+    steps, i = [], first
+    while i < len(messages) and _calls_tools(messages, i):
+        j = i + 1
+        while j < len(messages) and messages[j]["role"] == "tool":
+            j += 1
+        names = [(c.get("function") or c)["name"] for c in messages[i]["tool_calls"]]
+        steps.append({"calls": names, "results": messages[i + 1:j]})
+        i = j
+    return messages[:first], steps
 
 
 def _messages_from(raw: dict, fmt: str) -> tuple[list[dict], list | None]:
@@ -76,19 +107,21 @@ def read_source(source: dict) -> Iterator[dict]:
         except KeyError as e:
             raise ValueError(f"{where}: missing field {e} for format {fmt!r}") from None
         _check_messages(messages, tools, where)
-        while messages and messages[-1]["role"] == "assistant":
-            messages = messages[:-1]
+        messages, replay = split_replay(messages)
+        if not messages:
+            raise ValueError(f"{where}: nothing before the first tool call to prompt with")
         category = raw.get("category") or source.get("category") or "other"
         if category not in CATEGORIES:
             raise ValueError(f"{where}: unknown category {category!r} (expected one of {', '.join(CATEGORIES)})")
         tools = tools or None
         yield {
-            "id": stable_id(name, messages, tools),
+            "id": stable_id(name, messages + [{"replay": step} for step in replay], tools),
             "source": name,
             "category": category,
             "messages": messages,
             "tools": tools,
-            "meta": {"index": index, "split": raw.get("split") or source.get("split", "train")},
+            "meta": {"index": index, "split": raw.get("split") or source.get("split", "train"),
+                     **({"replay": replay} if replay else {})},
         }
 
 
@@ -114,7 +147,7 @@ def build_prompts(sources: list[dict], out_dir: Path, shard_size: int) -> dict:
     dropped = Counter()
     for source in sources:
         for rec in read_source(source):
-            key = content_key(rec["messages"], rec["tools"])
+            key = content_key(rec["messages"], rec["tools"], rec["meta"].get("replay"))
             if key in seen:
                 dropped["duplicate"] += 1
                 continue

@@ -6,7 +6,6 @@ Each check is a small function with a stable reason code; the config sets every 
 """
 from __future__ import annotations
 
-import json
 import logging
 import re
 import statistics
@@ -15,32 +14,13 @@ from pathlib import Path
 from typing import Callable
 
 from dflash.io import iter_jsonl, write_json, write_jsonl_zst
+from dflash.toolcalls import parse_tool_calls
 
 log = logging.getLogger(__name__)
 
 ACTIONS = ("reject", "flag", "off")
 TAGS = re.compile(r"</?think>|</?tool_call>|</?tool_response>|<\|[a-z_]+\|>")
 SUBSTANCE = re.compile(r"\w+|[^\w\s]")
-XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.S)
-XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
-JSON_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
-
-
-def parse_tool_calls(content: str) -> list[dict]:
-    """Tool calls in either Qwen format: XML (Qwen3.5/3.6, Qwen3-Coder) or Hermes JSON (Qwen3).
-
-    XML parameter values stay strings here: typing them needs the tool's schema.
-    """
-    calls = [{"name": name.strip(), "arguments": {k.strip(): v for k, v in XML_PARAM.findall(body)}}
-             for name, body in XML_CALL.findall(content)]
-    for blob in JSON_CALL.findall(content):
-        try:
-            obj = json.loads(blob)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict) and "name" in obj:
-            calls.append({"name": obj["name"], "arguments": obj.get("arguments", obj.get("parameters", {}))})
-    return calls
 
 
 def substance_tokens(text: str) -> int:

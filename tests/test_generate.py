@@ -92,7 +92,7 @@ def test_bad_prompt_becomes_an_error_record(tmp_path, target_dir):
     bad = {"id": "0123456789abcdef", "source": "x", "category": "chat", "tools": None, "meta": {},
            "messages": [{"role": "assistant", "content": "no user turn"}]}
     write_jsonl_zst(tmp_path / "bad.jsonl.zst", [bad])
-    with pytest.raises(RuntimeError, match=r"1 of 1 requests failed \(e.g. .*No user query"):
+    with pytest.raises(RuntimeError, match=r"1 of 1 prompts failed \(e.g. .*No user query"):
         generate_shard(Path(tmp_path / "bad.jsonl.zst"), tmp_path / "o.jsonl.zst", target_dir, gen_cfg())
     assert not (tmp_path / "o.jsonl.zst").exists()
     summary = generate_shard(Path(tmp_path / "bad.jsonl.zst"), tmp_path / "o.jsonl.zst", target_dir,

@@ -52,7 +52,7 @@ def test_fault_becomes_error_records_or_a_clear_failure(fault_server, fault, mes
            "sampling": {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "max_tokens": 8, "seed": 0},
            "server": {"url": f"{fault_server}/{fault}/v1", "dialect": "openai", "model": "m", "api_key_env": None,
                       "timeout_s": 0.5, "retries": 1, "extra_body": {}, "concurrency": 1}}
-    with pytest.raises(RuntimeError, match=f"2 of 2 requests failed \\(e.g. {message}"):
+    with pytest.raises(RuntimeError, match=f"2 of 2 prompts failed \\(e.g. {message}"):
         generate_shard(tmp_path / "p.jsonl.zst", tmp_path / "c.jsonl.zst", target_dir, cfg)
     summary = generate_shard(tmp_path / "p.jsonl.zst", tmp_path / "c.jsonl.zst", target_dir,
                              {**cfg, "max_error_fraction": 1.0}, summary_path=tmp_path / "s.json")

@@ -7,6 +7,7 @@ way (same tokenizer, same Qwen3.6 chat template). ``make test`` installs vLLM in
 """
 import copy
 import json
+import re
 import os
 import signal
 import subprocess
@@ -120,7 +121,7 @@ def test_server_killed_mid_shard_then_job_resumes(vllm, qwen3_target, demo_sourc
         time.sleep(0.05)
     vllm.stop()
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0 and "requests failed" in err and not out.exists()
+    assert proc.returncode != 0 and "prompts failed" in err and not out.exists()
     finished = {json.loads(line)["id"] for line in partial.read_text().splitlines()}
     assert 4 <= len(finished) < len(recs)
     before = vllm.requests()
@@ -130,3 +131,34 @@ def test_server_killed_mid_shard_then_job_resumes(vllm, qwen3_target, demo_sourc
     assert vllm.requests() - before == summary["requests"] == len(recs) - len(finished)
     assert sorted(r["id"] for r in read_jsonl(out)) == sorted(r["id"] for r in recs)
     assert not partial.exists()
+
+
+def test_tool_conversation_replayed_through_the_server(vllm, qwen3_target, demo_sources, tmp_path):
+    """Two generations over HTTP: a structured-output regex forces the model to call get_weather,
+    the cached result is fed back in OpenAI form, and the model (still forced) calls again, which
+    ends the replay: there is no second cached result."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen3_target)
+    tool_source = next(s for s in demo_sources if s["name"] == "demo-tool")
+    prompt = next(r for r in read_source(tool_source) if "rain in Amsterdam" in r["messages"][-1]["content"])
+    assert [s["calls"] for s in prompt["meta"]["replay"]] == [["get_weather"]]
+    call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nAmsterdam\n</parameter>\n</function>\n</tool_call>"
+    cfg = settings(vllm.url, extra_body={"structured_outputs": {"regex": r"[a-zA-Z ,.]{1,40}\n</think>\n\n"
+                                                                         + re.escape(call)}})
+    cfg["sampling"]["max_tokens"] = 120
+    write_jsonl_zst(tmp_path / "shard-00000.jsonl.zst", [prompt])
+    summary = generate_shard(tmp_path / "shard-00000.jsonl.zst", tmp_path / "c.jsonl.zst", qwen3_target, cfg)
+    first, second = read_jsonl(tmp_path / "c.jsonl.zst")
+    assert summary["requests"] == 2 and summary["replay_stops"] == {"extra_call": 1}
+    assert (first["id"], second["id"]) == (prompt["id"], f"{prompt['id']}-g1")
+    assert first["replay"]["stop"] is None and second["replay"]["stop"] == "extra_call"
+    assert first["text"].endswith(call) and second["text"].endswith(call)
+    assert second["messages"][-1] == prompt["meta"]["replay"][0]["results"][0]
+    # the server rendered the replayed turn (arguments sent as a JSON string) as the local template does
+    local = tok.apply_chat_template(second["messages"], tools=prompt["tools"], add_generation_prompt=True,
+                                    enable_thinking=True, tokenize=False)
+    served = tok.decode(second["prompt_token_ids"], skip_special_tokens=False)
+    conversation = local.index("<|im_start|>user")  # the tools block may differ in JSON key order
+    assert served.endswith(local[conversation:])
+    assert f"{call}<|im_end|>\n<|im_start|>user\n<tool_response>\n" in served

@@ -1,7 +1,8 @@
 import pytest
 
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
-from dflash.validate import CHECKS, judge, parse_tool_calls, substance_tokens, validate_shard
+from dflash.toolcalls import parse_tool_calls
+from dflash.validate import CHECKS, judge, substance_tokens, validate_shard
 
 CFG = {"trivial_min_tokens": 16, "checks": {code: "reject" for code in CHECKS}}
 REASONING = "The user asks for the capital of France, which is Paris; I answer in one sentence with the city."
