@@ -14,6 +14,8 @@ from pathlib import Path
 import yaml
 from jsonschema import Draft202012Validator, validators
 
+from dflash.server import command_problem
+
 SCHEMA_FILE = "schemas/config.schema.yaml"
 
 
@@ -69,12 +71,33 @@ def _describe(error, schema: dict, source: str) -> str:
     return f"{source}: at {where}: {error.message}"
 
 
+def _between_keys(config: dict) -> list[tuple[str, str]]:
+    """(key path, problem) for what one key's schema cannot see: how keys go together."""
+    generate = config["generate"]
+    launch = generate["server"]["launch"]
+    if launch is None:
+        return []
+    problems = []
+    if generate["server"]["url"] is not None:
+        problems.append(("generate.server", "url and launch are both set: with launch the pipeline starts the "
+                                            "server and knows its url; set url: null, or remove launch to use "
+                                            "the server at url"))
+    if generate["backend"] != "openai":
+        problems.append(("generate.server.launch", f"starts a server, which only backend 'openai' uses; "
+                                                   f"generate.backend is '{generate['backend']}'"))
+    command = command_problem(launch["command"])
+    if command:
+        problems.append(("generate.server.launch.command", command))
+    return problems
+
+
 def check_config(config: dict, source: str = "config") -> dict:
     """Validate ``config`` in place against the schema, filling defaults; raise ConfigError."""
     schema = load_schema()
     errors = sorted(_Filling(schema).iter_errors(config), key=lambda e: list(e.absolute_path))
-    if errors:
-        lines = [_describe(e, schema, source) for e in errors]
+    lines = ([_describe(e, schema, source) for e in errors] if errors
+             else [f"{source}: at {where}: {problem}" for where, problem in _between_keys(config)])
+    if lines:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines))
     return config
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from dflash.io import atomic_path, iter_jsonl, write_json, write_jsonl_zst
+from dflash.server import wait_for_service
 from dflash.target import stop_token_ids
 from dflash.toolcalls import parse_tool_calls, text_before_calls
 from dflash.workflow import progress
@@ -127,7 +128,8 @@ class OpenAIBackend:
 
         server = cfg["server"]
         if not server.get("url"):
-            raise ValueError("generate.backend 'openai' needs generate.server.url (e.g. http://127.0.0.1:30000/v1)")
+            raise ValueError("generate.backend 'openai' needs generate.server.url (e.g. http://127.0.0.1:30000/v1), "
+                             "or generate.server.launch and a run through Snakemake, which starts the server")
         self.url = server["url"].rstrip("/")
         self.dialect = server["dialect"]
         self.timeout = server["timeout_s"]
@@ -239,6 +241,17 @@ def rebuild_text(message: dict, thinking: bool) -> str:
 
 
 BACKENDS = {"transformers": TransformersBackend, "openai": OpenAIBackend}
+
+# Past the serve job's own startup timeout, so that its failure report, with the server's log, wins.
+SERVICE_GRACE_S = 60
+
+
+def use_started_server(cfg: dict, service_file: str | Path) -> dict:
+    """``cfg`` pointed at the server the pipeline started (``generate.server.launch``), once its
+    service file says it is ready; its failure as an error when it failed."""
+    server = cfg["server"]
+    info = wait_for_service(service_file, server["launch"]["startup_timeout_s"] + SERVICE_GRACE_S)
+    return {**cfg, "server": {**server, "url": info["url"], "model": info["model"]}}
 
 
 def sample_seed(base: int, prompt_id: str, step: int = 0) -> int:

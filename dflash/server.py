@@ -1,16 +1,32 @@
 """Start, health-check and stop an inference server process (vLLM, SGLang, ``transformers serve``).
 
 The whole process group is stopped, since engines fork workers that outlive a killed parent.
+``python -m dflash.server`` is the serve rule: it runs ``generate.server.launch``'s server for one
+group of generate jobs and tells them through a service file when it is ready, or why it failed.
 """
 from __future__ import annotations
 
+import argparse
+import ctypes
+import json
+import logging
 import os
+import shlex
 import signal
 import socket
+import string
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from dflash.io import read_json, write_json
+from dflash.workflow import log_to
+
+log = logging.getLogger("dflash.server")  # not __main__ under python -m
+
+PLACEHOLDERS = ("model", "host", "port", "served_model_name")
 
 
 def free_port() -> int:
@@ -18,6 +34,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None  # loaded here: the forked child only calls it
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """SIGTERM when the parent dies, even by SIGKILL: for a server, its launcher (Snakemake kills
+    a group's shell jobs when a generate job fails); for the launcher, Snakemake. So no server
+    outlives the run that started it."""
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ServerProcess:
@@ -32,7 +59,8 @@ class ServerProcess:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "a") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
+                                         start_new_session=True,
+                                         preexec_fn=_die_with_parent if _LIBC else None)
         deadline = time.time() + self.ready_timeout_s
         while time.time() < deadline:
             try:
@@ -47,15 +75,27 @@ class ServerProcess:
         raise RuntimeError(f"server not healthy at {self.health_url} after {self.ready_timeout_s:.0f} s; "
                            f"last log lines:\n{self.log_tail()}")
 
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, sig)
+    def _signal_group(self, sig: int) -> bool:
+        """Send ``sig`` to the server's process group; False when nothing of it is left."""
+        self.proc.poll()  # reap an exited leader: a zombie would keep the group alive
         try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            os.killpg(self.proc.pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30) -> None:
+        """Stop every process of the server's group (workers too, even when the leader is gone):
+        ``sig`` first, SIGKILL to whatever is left after ``timeout_s``."""
+        if self.proc is None or not self._signal_group(sig):
+            return
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if not self._signal_group(0):
+                return
+            time.sleep(0.1)
+        self._signal_group(signal.SIGKILL)
+        self.proc.wait()
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_file.read_text(errors="replace")[-chars:] if self.log_file.exists() else ""
@@ -67,11 +107,147 @@ class ServerProcess:
         self.stop()
 
 
-def vllm_cpu_command(python: str, model: Path, port: int, served_name: str = "tiny") -> tuple[list[str], dict]:
-    """vLLM's CPU build serving a small model on 127.0.0.1 (reference/cpu-inference-server.md):
-    eager mode starts in ~40 s; tools need a tool parser or vLLM refuses the request."""
+def vllm_cpu_command(python: str, model: Path, port: int, served_name: str = "tiny",
+                     host: str = "127.0.0.1") -> tuple[list[str], dict]:
+    """vLLM's CPU build serving a small model (reference/cpu-inference-server.md): eager mode
+    starts in ~40 s; tools need a tool parser or vLLM refuses the request."""
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
-           served_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "4096",
+           served_name, "--host", host, "--port", str(port), "--dtype", "float32", "--max-model-len", "4096",
            "--enforce-eager", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"]
     return cmd, env
+
+
+def command_problem(template: str) -> str | None:
+    """What is wrong with a ``generate.server.launch.command`` template, or None."""
+    braces = "a literal brace is written {{ or }}"
+    try:
+        tokens = shlex.split(template)
+    except ValueError as e:
+        return f"not a valid command line: {e}"
+    if not tokens:
+        return "the command is empty"
+    try:
+        fields = {f for token in tokens for _, f, _, _ in string.Formatter().parse(token) if f is not None}
+    except ValueError as e:
+        return f"{e} ({braces})"
+    unknown = sorted(fields - set(PLACEHOLDERS))
+    if unknown:
+        return (f"unknown placeholder {', '.join('{' + f + '}' for f in unknown)}; known: "
+                f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)} ({braces})")
+    return None
+
+
+def render_command(template: str, **values) -> list[str]:
+    """The argv of a command template: split like a shell line before the placeholders are filled,
+    so a value with spaces (a model path) stays one argument."""
+    return [token.format(**values) for token in shlex.split(template)]
+
+
+class StopRequested(Exception):
+    pass
+
+
+def _stop_requested(signum, frame):
+    raise StopRequested(signal.Signals(signum).name)
+
+
+def _on_stop_signals(handler) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+def serve(service: Path, model: str, launch: dict, index: int, server_log: Path, served_model_name: str) -> int:
+    """Run server ``index`` of ``generate.server.launch`` until SIGTERM or SIGINT; returns the exit status.
+
+    ``service`` says ``{"status": "starting", "launcher_pid"}`` at once (Snakemake fails a
+    consumer whose service file is missing after ``--latency-wait``), then ``{"status": "ready",
+    "url", "pid", "launcher_pid", "model"}`` once the health check answers, or ``{"status":
+    "failed", "reason"}`` (with the server's last log lines) when the server exits or stays
+    unhealthy: the generate jobs that share it wait for one or the other. SIGTERM is how
+    Snakemake ends a service job once its consumers finished; it stops the server's whole process
+    group (SIGKILL after a grace period) and exits 0.
+    """
+    launcher = {"launcher_pid": os.getpid()}
+    write_json(service, {"status": "starting", **launcher})
+    # Servers of one run on one node must not share a port.
+    port = launch["port"] + index if launch["port"] is not None else free_port()
+    # A server bound to every interface is reached on loopback: its generate jobs share its node.
+    host = "127.0.0.1" if launch["host"] in ("0.0.0.0", "::") else launch["host"]
+    argv = render_command(launch["command"], model=model, host=launch["host"], port=port,
+                          served_model_name=served_model_name)
+    server = ServerProcess(argv, f"http://{host}:{port}{launch['health_path']}", server_log, launch["env"],
+                           launch["startup_timeout_s"])
+    _on_stop_signals(_stop_requested)
+    try:
+        log.info("starting server %d: %s", index, shlex.join(argv))
+        server.start()
+        write_json(service, {"status": "ready", "url": f"http://{host}:{port}/v1", "pid": server.proc.pid,
+                             **launcher, "model": served_model_name})
+        log.info("server pid %d ready at http://%s:%d (log: %s)", server.proc.pid, host, port, server_log)
+        reason = f"server exited with {server.proc.wait()} while serving; last log lines:\n{server.log_tail()}"
+    except StopRequested as stop:
+        _on_stop_signals(signal.SIG_IGN)  # a second signal must not cut the shutdown short
+        log.info("%s: stopping the server", stop)
+        server.stop()
+        log.info("server stopped")
+        return 0
+    except RuntimeError as e:  # exited or not healthy in time: ServerProcess says which
+        reason = str(e)
+    except OSError as e:
+        reason = f"cannot run {argv[0]}: {e}"
+    _on_stop_signals(signal.SIG_IGN)
+    log.error("server %d failed: %s", index, reason)
+    write_json(service, {"status": "failed", **launcher, "reason": reason})
+    server.stop()  # workers of a crashed server may still hold the GPUs
+    return 1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def wait_for_service(path: str | Path, timeout_s: float, poll_s: float = 0.5) -> dict:
+    """The service file of a server the pipeline started, once it says ready; its failure reason
+    as an error when it says failed or its launcher died (a SIGKILL leaves no word). Written
+    atomically, so a file that exists is whole; the launcher runs on this node (same group job)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            info = read_json(path)
+        except FileNotFoundError:
+            info = {"status": "missing"}
+        if info["status"] == "ready":
+            return info
+        if info["status"] == "failed":
+            raise RuntimeError(f"the server of {path} failed: {info['reason']}")
+        if info["status"] == "starting" and not _alive(info["launcher_pid"]):
+            raise RuntimeError(f"the serve job of {path} (pid {info['launcher_pid']}) ended before its server "
+                               f"was ready; see its log")
+        time.sleep(poll_s)
+    raise TimeoutError(f"{path}: no server ready after {timeout_s:.0f} s; see the serve job's log")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dflash.server", description=(
+        "The serve rule: run a generate.server.launch server for a group of generate jobs until SIGTERM."))
+    p.add_argument("--service", type=Path, required=True, help="service file to write (ready or failed)")
+    p.add_argument("--model", required=True, help="model folder, the command's {model}")
+    p.add_argument("--served-model-name", required=True, help="the command's {served_model_name}")
+    p.add_argument("--launch", type=json.loads, required=True, help="generate.server.launch as JSON")
+    p.add_argument("--index", type=int, default=0, help="which of launch.instances this is")
+    p.add_argument("--log", type=Path, required=True, help="this launcher's log")
+    p.add_argument("--server-log", type=Path, required=True, help="the server's stdout and stderr")
+    a = p.parse_args(argv)
+    if _LIBC:
+        _die_with_parent()
+    log_to(a.log)
+    return serve(a.service, a.model, a.launch, a.index, a.server_log, a.served_model_name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

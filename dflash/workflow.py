@@ -32,12 +32,16 @@ def setup_logging(log_file: str | Path | None = None, level: int = logging.INFO)
     logging.getLogger("transformers").propagate = False
 
 
-def start_job(snakemake) -> None:
-    """First call of every rule script: everything (progress bars too) goes to the rule's log."""
-    log_file = snakemake.log[0]
+def log_to(log_file: str | Path) -> None:
+    """Everything a job prints (logging, progress bars, a traceback) into its log file."""
     Path(log_file).parent.mkdir(parents=True, exist_ok=True)
     sys.stderr = open(log_file, "a", buffering=1)
     setup_logging(log_file)
+
+
+def start_job(snakemake) -> None:
+    """First call of every rule script: logging into the rule's log, torch threads."""
+    log_to(snakemake.log[0])
     set_threads(snakemake.threads)
 
 

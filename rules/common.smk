@@ -13,3 +13,14 @@ def shards():
 def per_shard(pattern):
     """Input function: ``pattern`` for every prompt shard (known once the prompts exist)."""
     return lambda wildcards: expand(pattern, shard=shards())
+
+
+def server_file(wildcards):
+    """Input function: the service file of the started server (generate.server.launch) a shard's
+    generate job uses, round robin over the instances; none when the server is the user's."""
+    if not LAUNCH:
+        return []
+    # Only once the prompts exist: a group formed before the checkpoint ran is reused by Snakemake
+    # 9.27 with the generate jobs the checkpoint replaced still in it, and they would run twice.
+    checkpoints.prompts.get()
+    return f"{OUT}/servers/{int(wildcards.shard) % LAUNCH['instances']}.json"

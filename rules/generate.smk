@@ -1,16 +1,50 @@
+rule serve:
+    """The inference server of generate.server.launch for the generate jobs that use it: they form
+    one group job and run at once; Snakemake stops the server (SIGTERM) when the last one ends.
+    A shell rule: Snakemake 9.27 stops only shell jobs (a script service would never be stopped),
+    and exec lets its SIGTERM reach the launcher. Snakemake's own Python runs the launcher, so the
+    conda env only needs the server."""
+    input:
+        target=TARGET,
+    output:
+        service(f"{OUT}/servers/{{server}}.json"),
+    params:
+        python=sys.executable,
+        launch=lambda wildcards: json.dumps(LAUNCH),  # a function: the command's {port} is no wildcard
+        served_model_name=config["generate"]["server"]["model"] or TARGET,
+    group:
+        "generate"
+    threads: 1
+    resources:
+        gpu=LAUNCH["gpus"] if LAUNCH else 0,
+    log:
+        launcher=f"{LOGS}/serve/{{server}}.log",
+        server=f"{LOGS}/serve/{{server}}.server.log",
+    conda:
+        "../envs/sglang.yaml"
+    shell:
+        "exec {params.python:q} -m dflash.server --service {output:q} --model {input.target:q}"
+        " --served-model-name {params.served_model_name:q} --launch {params.launch:q} --index {wildcards.server}"
+        " --log {log.launcher:q} --server-log {log.server:q}"
+
+
 rule generate:
     """One completion record per prompt (exact token ids, raw text, reasoning/content split)."""
     input:
         prompts=lambda wildcards: prompt_file(f"shard-{wildcards.shard}.jsonl.zst"),
         target=TARGET,
+        server=server_file,
     output:
         completions=f"{OUT}/completions/shard-{{shard}}.jsonl.zst",
         summary=f"{OUT}/completions/shard-{{shard}}.summary.json",
     params:
         generate=config["generate"],
+    group:
+        "generate" if LAUNCH else None
     threads: 1
     resources:
-        gpu=1,
+        # The in-process model needs the GPU; a server holds its own (the serve job claims them).
+        gpu=1 if config["generate"]["backend"] == "transformers" else 0,
     log:
         f"{LOGS}/generate/{{shard}}.log",
     benchmark:

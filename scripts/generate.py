@@ -2,7 +2,10 @@ from dflash.workflow import start_job
 
 start_job(snakemake)
 
-from dflash.generate import generate_shard  # noqa: E402
+from dflash.generate import generate_shard, use_started_server  # noqa: E402
 
+cfg = snakemake.params.generate
+if snakemake.input.server:  # generate.server.launch: this group's serve job is starting the server
+    cfg = use_started_server(cfg, snakemake.input.server)
 out = snakemake.output
-generate_shard(snakemake.input.prompts, out.completions, snakemake.input.target, snakemake.params.generate, out.summary)
+generate_shard(snakemake.input.prompts, out.completions, snakemake.input.target, cfg, out.summary)

@@ -40,6 +40,20 @@ def target_dir(tmp_path_factory, demo_config, demo_sources) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_target(tmp_path_factory, demo_config, demo_sources) -> Path:
+    """A full-attention ``qwen3`` variant of the demo target, built and taught the same way: vLLM's
+    CPU build cannot load the hybrid ``qwen3_5_text``."""
+    from dflash.target import build_target
+
+    cfg = copy.deepcopy(demo_config["target"]["build"])
+    cfg["architecture"] = "qwen3"
+    cfg["teach"]["steps"] = 30
+    out = tmp_path_factory.mktemp("q3") / "target"
+    build_target([Path(s["path"]) for s in demo_sources], out, cfg)
+    return out
+
+
+@pytest.fixture(scope="session")
 def target(target_dir):
     from dflash.target import load_target
 

@@ -5,7 +5,6 @@ the vision stack), so these tests serve a full-attention ``qwen3`` variant built
 way (same tokenizer, same Qwen3.6 chat template). ``make test`` installs vLLM into its own venv
 (``.venv-vllm``) and points ``DFLASH_VLLM_PYTHON`` at it.
 """
-import copy
 import json
 import re
 import os
@@ -21,7 +20,6 @@ from dflash.generate import generate_shard, partial_path
 from dflash.io import read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source
 from dflash.server import ServerProcess, free_port, vllm_cpu_command
-from dflash.target import build_target
 
 pytestmark = pytest.mark.slow
 VLLM_PYTHON = os.environ.get("DFLASH_VLLM_PYTHON")
@@ -49,16 +47,6 @@ class VLLMServer:
     def requests(self) -> int:
         return sum(log.read_text().count('"POST /v1/chat/completions HTTP/1.1" 200')
                    for log in self.logdir.glob("vllm-*.log"))
-
-
-@pytest.fixture(scope="module")
-def qwen3_target(tmp_path_factory, demo_config, demo_sources):
-    cfg = copy.deepcopy(demo_config["target"]["build"])
-    cfg["architecture"] = "qwen3"
-    cfg["teach"]["steps"] = 30
-    out = tmp_path_factory.mktemp("q3") / "target"
-    build_target([Path(s["path"]) for s in demo_sources], out, cfg)
-    return out
 
 
 @pytest.fixture(scope="module")
