@@ -242,6 +242,7 @@ def rebuild_text(message: dict, thinking: bool) -> str:
 
 BACKENDS = {"transformers": TransformersBackend, "openai": OpenAIBackend}
 
+
 # Past the serve job's own startup timeout, so that its failure report, with the server's log, wins.
 SERVICE_GRACE_S = 60
 

@@ -83,3 +83,13 @@ def drafter_train_cfg(config: dict, target: str | Path) -> dict:
             raise ValueError(f"drafter.mask_token {token!r} is not a token of {target}; set drafter.mask_token_id")
         drafter["mask_token_id"] = mask_id
     return {**drafter, **config["train"]}
+
+
+def record_settings(cfg: dict) -> dict:
+    """The ``generate`` settings that shape the records (the generate rule's params, so a change
+    re-runs the shards); the others say where the server runs and how hard to push it (url,
+    launch, concurrency, timeouts, retries, key, error budget)."""
+    server = cfg["server"]
+    return {"backend": cfg["backend"], "enable_thinking": cfg["enable_thinking"], "sampling": cfg["sampling"],
+            **({"dialect": server["dialect"], "model": server["model"], "extra_body": server["extra_body"]}
+               if cfg["backend"] == "openai" else {})}

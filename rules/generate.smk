@@ -38,7 +38,9 @@ rule generate:
         completions=f"{OUT}/completions/shard-{{shard}}.jsonl.zst",
         summary=f"{OUT}/completions/shard-{{shard}}.summary.json",
     params:
-        generate=config["generate"],
+        # What shapes the records: changing it re-runs the shards; where the server runs and how hard
+        # the client pushes it (url, launch, concurrency, timeouts) does not. The script reads config.
+        settings=record_settings(config["generate"]),
     group:
         "generate" if LAUNCH else None
     threads: 1

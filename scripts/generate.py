@@ -4,7 +4,7 @@ start_job(snakemake)
 
 from dflash.generate import generate_shard, use_started_server  # noqa: E402
 
-cfg = snakemake.params.generate
+cfg = snakemake.config["generate"]
 if snakemake.input.server:  # generate.server.launch: this group's serve job is starting the server
     cfg = use_started_server(cfg, snakemake.input.server)
 out = snakemake.output

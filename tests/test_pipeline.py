@@ -106,6 +106,20 @@ def test_snakemake_report_embeds_the_summary(pipeline):
     assert "summary.html" in page and len(page) > 100_000
 
 
+def test_only_settings_that_shape_the_records_rerun_generation(pipeline):
+    work, _ = pipeline
+    config = yaml.safe_load((work / "config.yaml").read_text())
+    other = work / "other.yaml"
+    config["generate"]["server"] = {"concurrency": 3, "timeout_s": 5, "retries": 9}
+    config["generate"]["max_error_fraction"] = 0.5
+    other.write_text(yaml.safe_dump(config))
+    assert "Nothing to be done" in snakemake(work, "-n", "--configfile", str(other))
+    config["generate"]["sampling"]["temperature"] = 0.5
+    other.write_text(yaml.safe_dump(config))
+    jobs = planned_jobs(snakemake(work, "-n", "--configfile", str(other)))
+    assert {s for rule, s in jobs if rule == "generate"} == {"00000", "00001", "00002"}
+
+
 def test_changing_one_prompt_shard_reruns_only_that_shard(pipeline):
     work, _ = pipeline
     shard = work / "results" / "prompts" / "shard-00001.jsonl.zst"
