@@ -58,3 +58,16 @@ def target(target_dir):
     from dflash.target import load_target
 
     return load_target(target_dir)
+
+
+def demo_slice(demo_sources: list[dict], workdir: Path, train: int, heldout: int) -> list[dict]:
+    """The demo sources cut to the first ``train`` training and ``heldout`` held-out conversations
+    of each category, written into ``workdir``."""
+    sources = []
+    for src in demo_sources:
+        lines = Path(src["path"]).read_text().splitlines()
+        path = workdir / Path(src["path"]).name
+        path.write_text("\n".join([ln for ln in lines if '"split": "train"' in ln][:train]
+                                  + [ln for ln in lines if '"split": "heldout"' in ln][:heldout]) + "\n")
+        sources.append({**src, "path": str(path)})
+    return sources

@@ -10,7 +10,7 @@ import yaml
 
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
 from dflash.records import record_errors
-from tests.conftest import ROOT
+from tests.conftest import ROOT, demo_slice
 
 pytestmark = pytest.mark.slow
 
@@ -40,14 +40,7 @@ def planned_jobs(dry_run_output: str) -> set[tuple[str, str | None]]:
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, demo_sources):
     work = tmp_path_factory.mktemp("pipeline")
-    sources = []
-    for src in demo_sources:  # 8 training + 2 held-out conversations of each category
-        lines = Path(src["path"]).read_text().splitlines()
-        train = [ln for ln in lines if '"split": "train"' in ln][:8]
-        held = [ln for ln in lines if '"split": "heldout"' in ln][:2]
-        path = work / Path(src["path"]).name
-        path.write_text("\n".join(train + held) + "\n")
-        sources.append({**src, "path": str(path)})
+    sources = demo_slice(demo_sources, work, train=8, heldout=2)
     config = yaml.safe_load((ROOT / "config.yaml").read_text())
     config["prompts"] = {"shard_size": 12, "sources": sources}
     config["target"]["build"]["teach"]["steps"] = 20

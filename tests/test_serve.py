@@ -23,7 +23,7 @@ import yaml
 from dflash.config import ConfigError, check_config
 from dflash.generate import use_started_server
 from dflash.server import free_port
-from tests.conftest import ROOT
+from tests.conftest import ROOT, demo_slice
 from tests.test_pipeline import snakemake
 
 PYTHON = shlex.quote(sys.executable)
@@ -123,13 +123,7 @@ def test_server_dies_with_a_killed_launcher(tmp_path):
 
 
 def test_plan_has_one_server_per_instance_and_shards_round_robin(tmp_path, demo_sources):
-    sources = []
-    for src in demo_sources:  # 4 training + 1 held-out conversation of each category: 4 shards of 4
-        lines = Path(src["path"]).read_text().splitlines()
-        path = tmp_path / Path(src["path"]).name
-        path.write_text("\n".join([ln for ln in lines if '"split": "train"' in ln][:4]
-                                  + [ln for ln in lines if '"split": "heldout"' in ln][:1]) + "\n")
-        sources.append({**src, "path": str(path)})
+    sources = demo_slice(demo_sources, tmp_path, train=4, heldout=1)  # 4 shards of 4
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
     cfg["prompts"] = {"shard_size": 4, "sources": sources}
     cfg["generate"] = {"backend": "openai", "server": {

@@ -3,14 +3,13 @@ vLLM's CPU build serving the tiny ``qwen3`` target to the generate jobs of two s
 import os
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 import yaml
 
 from dflash.io import read_jsonl
 from dflash.server import vllm_cpu_command
-from tests.conftest import ROOT
+from tests.conftest import ROOT, demo_slice
 from tests.test_pipeline import snakemake
 from tests.test_serve import gone, listening
 
@@ -20,14 +19,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 
 
 def test_one_server_for_the_group_started_shared_and_stopped(qwen3_target, demo_sources, tmp_path):
-    sources = []
-    for src in demo_sources:  # 2 training + 1 held-out conversation of each category: 2 shards of 4
-        lines = Path(src["path"]).read_text().splitlines()
-        path = tmp_path / Path(src["path"]).name
-        path.write_text("\n".join([ln for ln in lines if '"split": "train"' in ln][:2]
-                                  + [ln for ln in lines if '"split": "heldout"' in ln][:1]) + "\n")
-        sources.append({**src, "path": str(path)})
-    command, env = vllm_cpu_command(VLLM_PYTHON, "{model}", "{port}", "{served_model_name}", host="{host}")
+    sources = demo_slice(demo_sources, tmp_path, train=2, heldout=1)  # 2 shards of 4
+    command, env = vllm_cpu_command(os.path.abspath(VLLM_PYTHON), "{model}", "{port}", "{served_model_name}", host="{host}")
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
     cfg["prompts"] = {"shard_size": 4, "sources": sources}
     cfg["target"]["path"] = str(qwen3_target)
