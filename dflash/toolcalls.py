@@ -36,3 +36,95 @@ def parse_tool_calls(content: str) -> list[dict]:
 def text_before_calls(content: str) -> str:
     """The answer text a model wrote before its first tool call."""
     return content.split("<tool_call>", 1)[0]
+
+
+CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
+XML_PARAM_ONLY = re.compile(r"(?:\s*<parameter=[^>\n]+>\n?.*?\n?</parameter>)*\s*", re.S)
+
+
+def type_xml_arguments(arguments: dict[str, str], parameters: dict | None) -> dict:
+    """XML parameter strings typed by the tool's JSON Schema: a non-string property is read as JSON
+    (``3`` -> 3, ``true`` -> True, ``["a"]`` -> list); what does not parse stays a string, for the
+    schema check to report."""
+    props = (parameters or {}).get("properties") or {}
+    typed = {}
+    for key, value in arguments.items():
+        kind = (props.get(key) or {}).get("type")
+        if kind == "string" or (isinstance(kind, list) and "string" in kind):
+            typed[key] = value
+            continue
+        try:
+            typed[key] = json.loads(value)
+        except json.JSONDecodeError:
+            typed[key] = value
+    return typed
+
+
+def check_tool_calls(content: str, reasoning: str | None, tools: list | None,
+                     fmt: str = "auto") -> tuple[list[dict], dict[str, str]]:
+    """(calls with typed arguments, problems: reason code -> first detail) of one generation.
+
+    ``fmt`` is the model's call format: ``xml`` (Qwen3.5/3.6, Qwen3-Coder), ``json`` (Hermes,
+    Qwen2.5/Qwen3) or ``auto`` (each call as it is written); a call in the other format is bad.
+    """
+    from jsonschema import Draft202012Validator
+
+    problems: dict[str, str] = {}
+    offered = {t["function"]["name"]: t["function"] for t in tools or []}
+    calls: list[dict] = []
+    blocks = list(CALL_BLOCK.finditer(content))
+    if content.count("<tool_call>") > len(blocks):
+        problems["tool_unclosed"] = "a <tool_call> without </tool_call>"
+    if reasoning and "<tool_call>" in reasoning:
+        problems["tool_call_in_reasoning"] = "<tool_call> inside the reasoning"
+    for block in blocks:
+        body = block.group(1)
+        xml = XML_FUNCTION.fullmatch(body)
+        if body.lstrip().startswith("<function=") or (fmt == "xml" and not body.lstrip().startswith("{")):
+            if fmt == "json":
+                problems.setdefault("tool_bad_json", f"an XML call where Hermes JSON is expected: {body[:80]!r}")
+                continue
+            if not xml or not XML_PARAM_ONLY.fullmatch(xml.group(2)):
+                problems.setdefault("tool_bad_xml", f"not <function=NAME> with <parameter=...> blocks: {body[:80]!r}")
+                continue
+            name = xml.group(1).strip()
+            raw = {k.strip(): v for k, v in XML_PARAM.findall(xml.group(2))}
+            arguments = type_xml_arguments(raw, (offered.get(name) or {}).get("parameters"))
+        else:
+            if fmt == "xml":
+                problems.setdefault("tool_bad_xml", f"a JSON call where XML is expected: {body[:80]!r}")
+                continue
+            try:
+                obj = json.loads(body)
+            except json.JSONDecodeError as e:
+                problems.setdefault("tool_bad_json", f"{e.msg} at {e.pos}: {body[:80]!r}")
+                continue
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+                problems.setdefault("tool_bad_json", f"not an object with a name: {body[:80]!r}")
+                continue
+            name, arguments = obj["name"], obj.get("arguments", obj.get("parameters", {}))
+            if isinstance(arguments, str):  # some models double-encode
+                try:
+                    arguments = json.loads(arguments)
+                except json.JSONDecodeError:
+                    problems.setdefault("tool_bad_json", f"arguments of {name} are not JSON: {arguments[:80]!r}")
+                    continue
+        calls.append({"name": name, "arguments": arguments})
+        if not offered:
+            problems.setdefault("tool_without_tools", f"called {name} but no tools were offered")
+            continue
+        if name not in offered:
+            problems.setdefault("tool_unknown_name", f"{name} is not among the offered tools ({', '.join(offered)})")
+            continue
+        schema = offered[name].get("parameters") or {}
+        if not isinstance(arguments, dict):
+            problems.setdefault("tool_args_schema", f"{name}: arguments are not an object")
+            continue
+        for error in Draft202012Validator(schema).iter_errors(arguments):
+            code = "tool_missing_required" if error.validator == "required" else "tool_args_schema"
+            where = ".".join(map(str, error.absolute_path)) or "arguments"
+            problems.setdefault(code, f"{name}: {where}: {error.message}")
+    if blocks and content[blocks[-1].end():].strip():
+        problems["text_after_tool_call"] = f"text after the last call: {content[blocks[-1].end():].strip()[:80]!r}"
+    return calls, problems

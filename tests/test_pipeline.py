@@ -10,6 +10,7 @@ import yaml
 
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
 from dflash.records import record_errors
+from dflash.validate import CHECKS
 from tests.conftest import ROOT, demo_slice
 
 pytestmark = pytest.mark.slow
@@ -46,7 +47,7 @@ def pipeline(tmp_path_factory, demo_sources):
     config["target"]["build"]["teach"]["steps"] = 20
     config["generate"]["sampling"]["max_tokens"] = 24
     # A briefly taught target writes little that passes; keep every record so all stages get data.
-    config["validate"]["checks"] = {k: "flag" for k in config["validate"]["checks"]}
+    config["validate"]["checks"] = {k: "flag" for k in CHECKS}
     config["drafter"] = {"num_layers": 1, "target_layer_ids": [1, 3], "block_size": 4}
     config["train"] = {"steps": 4, "batch_size": 2}
     config["eval"] = {"max_new_tokens": 8}

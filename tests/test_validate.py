@@ -4,21 +4,43 @@ from dflash.io import read_json, read_jsonl, write_jsonl_zst
 from dflash.toolcalls import parse_tool_calls
 from dflash.validate import CHECKS, judge, substance_tokens, validate_shard
 
-CFG = {"trivial_min_tokens": 16, "checks": {code: "reject" for code in CHECKS}}
+CFG = {"trivial_min_tokens": 16, "checks": {code: "reject" for code in CHECKS},
+       "repetition": {"min_repeats": 4, "min_chars": 200}, "tool_format": "auto"}
 REASONING = "The user asks for the capital of France, which is Paris; I answer in one sentence with the city."
 
 
-def record(text, finish="stop", thinking=True, category="chat", error=None, rid="r"):
+def record(text, finish="stop", thinking=True, category="chat", error=None, rid="r", tools=None):
     if thinking and "</think>" in text:
         reasoning, content = text.split("</think>", 1)
     else:
         reasoning, content = (text, "") if thinking else (None, text)
     return {"id": rid, "category": category, "text": text, "reasoning": reasoning, "content": content,
             "finish_reason": finish, "error": error, "usage": {"completion_tokens": 10},
-            "generation": {"enable_thinking": thinking}}
+            "generation": {"enable_thinking": thinking}, "tools": tools}
 
 
 GOOD = record(f"{REASONING}\n</think>\n\nThe capital of France is Paris.")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1},
+                                     "metric": {"type": "boolean"}, "hours": {"type": "array"}},
+    "required": ["city"], "additionalProperties": False}}}
+
+
+def answer(content, tools=(WEATHER,), reasoning=REASONING):
+    return record(f"{reasoning}\n</think>\n\n{content}", category="tool", tools=list(tools) if tools else None)
+
+
+def xml(name="get_weather", **params):
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+STORY_LOOP = record(f"{REASONING}\n</think>\n\n" + "<tool_call>\n</think>\n" * 400, finish="length")
+LOOPING_PARAGRAPH = record(f"{REASONING}\n</think>\n\n" + ("Let me check the calculation again. The total is the sum "
+                                                             "of both parts, so I add them and compare.\n\n") * 6)
+CODE_LISTING = "\n".join(f"    case {i}: return handle_{i}(request, context, options)  # route {i}" for i in range(200))
+TABLE = "| id | name | price |\n|---|---|---|\n" + "\n".join(f"| {i} | item {i} | {i * 1.5:.2f} |" for i in range(120))
+NUMBERED = "\n".join(f"{i}. Check that step {i} leaves the system in a consistent state." for i in range(1, 60))
 
 
 @pytest.mark.parametrize("rec,code", [
@@ -29,26 +51,66 @@ GOOD = record(f"{REASONING}\n</think>\n\nThe capital of France is Paris.")
     (record("\n</think>\n\nThe capital of France is Paris, a city on the Seine with many museums."), "empty_reasoning"),
     (record(f"{REASONING}\n</think>\n\n"), "empty_answer"),
     (record("\n\n</think>\nOK."), "trivial"),
+    (STORY_LOOP, "repetition_loop"),
+    (LOOPING_PARAGRAPH, "repetition_loop"),
+    (record(f"{REASONING}\n</think>\n\nThe answer " + "is the answer " * 60), "repetition_loop"),
+    (record(f"{REASONING}\n</think>\n\nParis.</think> Really, Paris is the capital city."), "stray_think"),
+    (record(f"{REASONING}\n</think>\n\nThe capital of France is Par\ufffds, a city on the Seine."), "encoding"),
+    (record(f"{REASONING}\n</think>\n\nThe capital of France is Paris\x07, a city on the Seine."), "encoding"),
+    (answer("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"), "tool_unclosed"),
+    (answer('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>'), "tool_bad_json"),
+    (answer("<tool_call>\n<function=get_weather>\n<parameter=city>Paris</function>\n</tool_call>"), "tool_bad_xml"),
+    (answer(xml("get_stock", symbol="NVDA")), "tool_unknown_name"),
+    (answer(xml(city="Paris", days="zero")), "tool_args_schema"),
+    (answer(xml(city="Paris", days=0)), "tool_args_schema"),
+    (answer(xml(days=3)), "tool_missing_required"),
+    (answer(xml(city="Paris"), reasoning=f"{REASONING} {xml(city='Paris')}"), "tool_call_in_reasoning"),
+    (answer(xml(city="Paris"), tools=None), "tool_without_tools"),
+    (answer(xml(city="Paris") + "\n\nI will now wait for the result and then tell you."), "text_after_tool_call"),
 ])
 def test_each_check_catches_its_problem(rec, code):
-    reasons, flags, _ = judge(rec, CFG)
-    assert code in reasons and not flags
+    reasons, flags, _, details = judge(rec, CFG)
+    assert code in reasons and not flags and details[code]
 
 
 def test_good_records_pass_every_check():
-    assert judge(GOOD, CFG) == ([], [], [])
+    assert judge(GOOD, CFG) == ([], [], [], {})
     tool_only = record(f"{REASONING}\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
                        "</parameter>\n</function>\n</tool_call>", category="tool")
-    reasons, _, calls = judge(tool_only, CFG)
+    reasons, _, calls, _ = judge({**tool_only, "tools": [WEATHER]}, CFG)
     assert reasons == [] and calls == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
     no_thinking = record("The capital of France is Paris, the largest city of the country by far.", thinking=False)
     assert judge(no_thinking, CFG)[0] == []
 
 
+@pytest.mark.parametrize("text", [CODE_LISTING, TABLE, NUMBERED, "}\n" * 6 + "done", "=" * 120])
+def test_repetitive_but_legitimate_text_is_no_loop(text):
+    assert "repetition_loop" not in judge(record(f"{REASONING}\n</think>\n\n{text}"), CFG)[0]
+
+
+def test_story_loop_detail_names_the_span():
+    assert judge(STORY_LOOP, CFG)[3]["repetition_loop"].startswith("400 x '<tool_call>\\n</think>'")
+
+
+def test_tool_calls_are_parsed_and_typed_in_both_formats():
+    typed = answer(xml(city="Paris", days=3, metric="true", hours="[9, 12]"))
+    reasons, _, calls, _ = judge(typed, CFG)
+    assert reasons == []
+    assert calls == [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3, "metric": True, "hours": [9, 12]}}]
+    hermes = answer('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>')
+    reasons, _, calls, _ = judge(hermes, CFG)
+    assert reasons == [] and calls == [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}]
+    # a string-typed parameter stays a string even when it looks like JSON
+    assert judge(answer(xml(city="1234")), CFG)[2][0]["arguments"] == {"city": "1234"}
+    # with the target's format set, the other format is bad
+    assert "tool_bad_xml" in judge(hermes, {**CFG, "tool_format": "xml"})[0]
+    assert "tool_bad_json" in judge(typed, {**CFG, "tool_format": "json"})[0]
+
+
 def test_flag_and_off_actions():
     trivial = record("\n\n</think>\nOK.")
     cfg = {**CFG, "checks": {**CFG["checks"], "trivial": "flag", "empty_reasoning": "off"}}
-    reasons, flags, _ = judge(trivial, cfg)
+    reasons, flags, _, _ = judge(trivial, cfg)
     assert reasons == [] and flags == ["trivial"]
 
 
@@ -74,7 +136,7 @@ def test_shard_counts_add_up(tmp_path):
                          tmp_path / "qa.json", CFG)
     kept, rejected = read_jsonl(tmp_path / "v.jsonl.zst"), read_jsonl(tmp_path / "r.jsonl.zst")
     assert rep["records"] == 3 == len(kept) + len(rejected)
-    assert [r["id"] for r in kept] == ["r"] and kept[0]["qa"] == {"flags": [], "tool_calls": []}
+    assert [r["id"] for r in kept] == ["r"] and kept[0]["qa"] == {"flags": [], "tool_calls": [], "details": {}}
     by_id = {r["id"]: r["qa"]["reasons"] for r in rejected}
     assert by_id == {"t": ["empty_reasoning", "trivial"], "l": ["finish_length", "no_think_close", "empty_answer"]}
     assert rep["checks"]["trivial"] == {"action": "reject", "total": 1, "by_category": {"code": 1}}
