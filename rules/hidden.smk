@@ -3,6 +3,9 @@ rule hidden:
     input:
         tokenized=f"{OUT}/tokenized/shard-{{shard}}.safetensors",
         target=TARGET,
+        # Must exist (every gate passed), but its rewrite after another shard changed is no reason
+        # to extract this shard again.
+        gates=ancient(f"{OUT}/qa/summary.json"),
     output:
         f"{OUT}/hidden/shard-{{shard}}.safetensors",
     params:

@@ -1,6 +1,7 @@
 """The real Snakemake pipeline, end to end, on a small slice of the demo data (a few minutes)."""
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,7 @@ def pipeline(tmp_path_factory, demo_sources):
     config["generate"]["sampling"]["max_tokens"] = 24
     # A briefly taught target writes little that passes; keep every record so all stages get data.
     config["validate"]["checks"] = {k: "flag" for k in CHECKS}
+    config["gates"] = {"max_trivial_share": None, "min_median_trainable_tokens": None}
     config["drafter"] = {"num_layers": 1, "target_layer_ids": [1, 3], "block_size": 4}
     config["train"] = {"steps": 4, "batch_size": 2}
     config["eval"] = {"max_new_tokens": 8}
@@ -98,6 +100,42 @@ def test_snakemake_report_embeds_the_summary(pipeline):
     snakemake(work, "--report", str(work / "report.html"))
     page = (work / "report.html").read_text()
     assert "summary.html" in page and len(page) > 100_000
+
+
+def test_trivial_completions_stop_at_the_gate_before_any_gpu_job(pipeline, tmp_path):
+    """The story's data set: 87% of completions are ``OK.``. They are written over a finished run's
+    completions (standing in for a model that answers so), with the default gates."""
+    from transformers import AutoTokenizer
+
+    work = tmp_path / "run"
+    shutil.copytree(pipeline[0], work, symlinks=True)
+    config = yaml.safe_load((work / "config.yaml").read_text())
+    config["gates"] = {}
+    (work / "config.yaml").write_text(yaml.safe_dump(config))
+    tok = AutoTokenizer.from_pretrained(work / "results" / "target")
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    n = trivial = 0
+    for shard in sorted((work / "results" / "completions").glob("shard-*.jsonl.zst")):
+        records = read_jsonl(shard)
+        for rec in records:
+            n += 1
+            if trivial < 0.87 * n:
+                trivial += 1
+                text = "\n\n</think>\nOK."
+                rec.update(text=text, reasoning="\n\n", content="\nOK.", finish_reason="stop",
+                           output_token_ids=tok.encode(text, add_special_tokens=False) + [end])
+        write_jsonl_zst(shard, records)
+    gpu_outputs = sorted((work / "results" / "hidden").glob("*.safetensors")) + [work / "results" / "checkpoints"]
+    before = {p: p.stat().st_mtime_ns for p in gpu_outputs}
+    out = snakemake(work, "--cores", "2", check=False)
+    assert "Error in rule gate" in out and "results/logs/gate.log" in out
+    log = (work / "results" / "logs" / "gate.log").read_text()
+    hit = re.search(rf"gate max_trivial_share: (\d+\.\d)% of records are trivial, (\d+) of {n} \(limit 50\.0%\)", log)
+    assert hit and int(hit.group(2)) >= trivial and float(hit.group(1)) >= 87.0  # the model's own may be trivial too
+    assert "quality gate failed, no hidden-state or training job will run" in log
+    assert {p: p.stat().st_mtime_ns for p in gpu_outputs} == before  # nothing extracted or trained again
+    assert not (work / "results" / "qa" / "summary.json").exists()
+    assert not re.search(r"^\s*(local)?rule (hidden|train):", out[out.index("Error in rule gate"):], re.M)
 
 
 def test_only_settings_that_shape_the_records_rerun_generation(pipeline):
