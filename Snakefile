@@ -50,3 +50,4 @@ rule all:
     default_target: True
     input:
         f"{OUT}/report/summary.html",
+        f"{OUT}/report/qa.html",

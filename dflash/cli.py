@@ -32,9 +32,10 @@ def _generate(cfg, a):
 
 
 def _validate(cfg, a):
-    from dflash.validate import validate_shard
+    from dflash.validate import read_exclusions, validate_shard
 
-    validate_shard(a.completions, a.validated, a.rejected, a.qa, cfg["validate"])
+    excluded = read_exclusions(a.exclude if a.exclude is not None else cfg["validate"]["exclude"])
+    validate_shard(a.completions, a.validated, a.rejected, a.qa, cfg["validate"], excluded)
 
 
 def _tokenize(cfg, a):
@@ -69,6 +70,26 @@ def _report(cfg, a):
     write_report(cfg, a.manifest, a.qa, a.tokenized, a.checkpoint, a.eval, a.html, a.json)
 
 
+def _inspect(a) -> int:
+    from dflash.inspect import inspect
+
+    tokenizer = None
+    if a.target:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(a.target)
+    shown = 0
+    for path in a.shards:
+        shown += inspect(path, a.category, a.reason, a.flag, a.id, max(0, a.limit - shown) if a.limit else 0,
+                         a.json, a.full, tokenizer)
+        if a.limit and shown >= a.limit:
+            break
+    if not a.json:
+        print(f"{shown} record(s) shown" + (f" (--limit {a.limit})" if a.limit and shown >= a.limit else ""),
+              file=sys.stderr)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dflash",
@@ -93,7 +114,8 @@ def parser() -> argparse.ArgumentParser:
           ("--prompts", path), target, ("--out", path),
           ("--summary", {"type": Path, "help": "also write the shard's summary JSON here"}))
     stage("validate", _validate, "completion shard -> validated, rejected shards + QA JSON",
-          ("--completions", path), ("--validated", path), ("--rejected", path), ("--qa", path))
+          ("--completions", path), ("--validated", path), ("--rejected", path), ("--qa", path),
+          ("--exclude", {"type": Path, "nargs": "*", "help": "exclusion id files (default: the config's validate.exclude)"}))
     stage("tokenize", _tokenize, "validated shard -> tokenized rows (.safetensors + .json index)",
           ("--validated", path), target, ("--out", path), ("--index", path))
     stage("hidden", _hidden, "tokenized shard -> selected target layer features",
@@ -105,12 +127,33 @@ def parser() -> argparse.ArgumentParser:
     stage("report", _report, "stage outputs -> summary HTML + JSON",
           ("--manifest", path), ("--qa", paths), ("--tokenized", paths), ("--checkpoint", path),
           ("--eval", path), ("--html", path), ("--json", path))
+    inspect = sub.add_parser(
+        "inspect", help="print records of any stage's shard (local or s3://), filtered",
+        description="Print the records of prompt, completion, validated, rejected, tokenized or hidden-state "
+                    "shards, local or s3:// (boto3; AWS_ENDPOINT_URL for other S3 servers). Filters combine.")
+    inspect.add_argument("shards", nargs="+", help="shard files (.jsonl.zst, .jsonl, .safetensors)")
+    for flag, what in [("--category", "category"), ("--reason", "rejection reason code"), ("--flag", "QA flag code"),
+                       ("--id", "record or prompt id")]:
+        inspect.add_argument(flag, action="append", default=[], help=f"only this {what} (repeatable)")
+    inspect.add_argument("--limit", type=int, default=10, help="at most this many records (0: all; default 10)")
+    inspect.add_argument("--json", action="store_true", help="whole records, one JSON object per line")
+    inspect.add_argument("--full", action="store_true", help="do not shorten long texts")
+    inspect.add_argument("--target", type=Path, help="target model folder: decode tokenized rows")
+    inspect.set_defaults(run=_inspect)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     setup_logging()
+    if hasattr(args, "run"):  # needs no pipeline config
+        try:
+            return args.run(args)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"dflash {args.stage}: {e}", file=sys.stderr)
+            return 1
+        except BrokenPipeError:  # piped into head
+            return 0
     try:
         cfg = load_config(args.config)
     except (ConfigError, FileNotFoundError) as e:

@@ -12,6 +12,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from dflash.io import read_json, write_json
+from dflash.validate import EXAMPLES_PER_REASON
 
 log = logging.getLogger(__name__)
 
@@ -20,12 +21,28 @@ class GateError(RuntimeError):
     pass
 
 
+def _merge_lengths(total: dict, part: dict) -> None:
+    if not part["n"]:
+        return
+    if not total.get("n"):
+        total.update(n=0, sum=0, max=0, histogram=[0] * len(part["histogram"]))
+    total["n"] += part["n"]
+    total["sum"] += part["sum"]
+    total["max"] = max(total["max"], part["max"])
+    total["histogram"] = [a + b for a, b in zip(total["histogram"], part["histogram"])]
+    total["mean"] = round(total["sum"] / total["n"], 1)
+
+
 def qa_summary(qa_paths: list[Path], index_paths: list[Path]) -> dict:
-    """Every shard's QA counts and tokenized statistics summed (the QA summary of the run)."""
+    """Every shard's QA counts, lengths and examples, and the tokenized rows' statistics, summed:
+    the QA summary of the run that the gates, the QA page and the report read."""
     records = kept = rejected = 0
     by_check: dict[str, Counter] = defaultdict(Counter)
     actions: dict[str, str] = {}
     categories: dict[str, Counter] = defaultdict(Counter)
+    lengths: dict[str, dict[str, dict]] = defaultdict(lambda: defaultdict(dict))
+    examples: dict[str, list] = defaultdict(list)
+    bins = None
     for path in qa_paths:
         qa = read_json(path)
         records, kept, rejected = records + qa["records"], kept + qa["kept"], rejected + qa["rejected"]
@@ -34,9 +51,18 @@ def qa_summary(qa_paths: list[Path], index_paths: list[Path]) -> dict:
             by_check[code].update(hit["by_category"])
         for cat, counts in qa["categories"].items():
             categories[cat].update(counts)
+        bins = qa.get("length_bins", bins)
+        for cat, kinds in qa.get("lengths", {}).items():
+            for name, part in kinds.items():
+                _merge_lengths(lengths[cat][name], part)
+        for code, found in qa.get("examples", {}).items():
+            examples[code].extend(found[:max(0, EXAMPLES_PER_REASON - len(examples[code]))])
+    tokenized: Counter = Counter()
     trainable = defaultdict(list)
     for path in index_paths:
-        for row in read_json(path)["rows"]:
+        index = read_json(path)
+        tokenized.update({k: v for k, v in index["stats"].items() if isinstance(v, int)})
+        for row in index["rows"]:
             trainable[row["category"]].append(row["trainable"])
     every = [n for rows in trainable.values() for n in rows]
     return {
@@ -46,10 +72,24 @@ def qa_summary(qa_paths: list[Path], index_paths: list[Path]) -> dict:
                           "rate": sum(c.values()) / records if records else 0.0} for code, c in by_check.items()},
         "categories": {cat: {**c, "reject_rate": c["rejected"] / c["records"] if c["records"] else 0.0}
                        for cat, c in sorted(categories.items())},
+        "length_bins": bins,
+        "lengths": {cat: dict(kinds) for cat, kinds in sorted(lengths.items())},
+        "examples": dict(examples),
+        "tokenized": dict(tokenized),
         "trainable_tokens": {"rows": len(every), "total": sum(every),
                              "median": statistics.median(every) if every else 0,
-                             "median_by_category": {c: statistics.median(v) for c, v in sorted(trainable.items())}},
+                             "by_category": {c: {"rows": len(v), "total": sum(v), "median": statistics.median(v)}
+                                             for c, v in sorted(trainable.items())}},
     }
+
+
+def write_qa_summary(qa_paths: list[Path], index_paths: list[Path], out_path: Path) -> dict:
+    summary = qa_summary(qa_paths, index_paths)
+    write_json(out_path, summary)
+    log.info("QA summary: %d records, %d kept, %d rejected over %d shards; %d tokenized rows",
+             summary["records"], summary["kept"], summary["rejected"], summary["shards"],
+             summary["trainable_tokens"]["rows"])
+    return summary
 
 
 def _pct(x: float) -> str:
@@ -86,15 +126,16 @@ def evaluate_gates(summary: dict, gates: dict) -> list[dict]:
     return verdicts
 
 
-def run_gates(qa_paths: list[Path], index_paths: list[Path], out_path: Path, gates: dict) -> dict:
-    """The QA summary with the gates' verdicts, written only when every gate passes."""
-    summary = qa_summary(qa_paths, index_paths)
-    summary["gates"] = evaluate_gates(summary, gates)
-    for v in summary["gates"]:
+def run_gates(summary_path: Path, out_path: Path, gates: dict) -> list[dict]:
+    """The gates' verdicts on the QA summary, written only when every gate passes."""
+    verdicts = evaluate_gates(read_json(summary_path), gates)
+    for v in verdicts:
         (log.info if v["passed"] else log.error)("%s: %s", "pass" if v["passed"] else "FAIL", v["message"])
-    failed = [v["message"] for v in summary["gates"] if not v["passed"]]
+    failed = [v["message"] for v in verdicts if not v["passed"]]
     if failed:
+        qa_page = Path(summary_path).parent.parent / "report" / "qa.html"
         raise GateError("quality gate failed, no hidden-state or training job will run:\n  " + "\n  ".join(failed)
-                        + "\n(thresholds: config gates; per-check counts: results/qa/shard-N.json)")
-    write_json(out_path, summary)
-    return summary
+                        + f"\n(thresholds: config gates; counts and examples per check: {summary_path}, "
+                        f"or the page `snakemake {qa_page}`)")
+    write_json(out_path, {"gates": verdicts})
+    return verdicts

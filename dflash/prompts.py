@@ -160,6 +160,9 @@ def build_prompts(sources: list[dict], out_dir: Path, shard_size: int) -> dict:
         for i, shard in enumerate(shards):
             write_jsonl_zst(tmp / shard_name(i), shard)
         write_jsonl_zst(tmp / "heldout.jsonl.zst", sorted(heldout, key=lambda r: r["id"]))
+        # Which shard holds an id, known without reading the shards: exclusion lists map to jobs.
+        (tmp / "ids.tsv").write_text("".join(f"{r['id']}\t{i:05d}\n" for i, s in enumerate(shards) for r in s),
+                                     encoding="utf-8")
         manifest = {
             "shards": [
                 {"name": shard_name(i), "records": len(s), "categories": dict(Counter(r["category"] for r in s))}

@@ -7,52 +7,23 @@ from __future__ import annotations
 
 import html
 import json
-from collections import Counter, defaultdict
+import re
 from pathlib import Path
 
 from dflash.io import atomic_path, read_json, write_json
+from dflash.validate import EXAMPLES_PER_REASON
 
 
-def summarize(config: dict, manifest: Path, qa_files: list[Path], tokenized_indexes: list[Path],
-              checkpoint: Path, eval_file: Path) -> dict:
-    qa = [read_json(p) for p in qa_files]
-    checks: dict[str, dict] = {}
-    by_cat: dict[str, Counter] = defaultdict(Counter)
-    for q in qa:
-        for code, c in q["checks"].items():
-            entry = checks.setdefault(code, {"action": c["action"], "total": 0, "by_category": Counter()})
-            entry["total"] += c["total"]
-            entry["by_category"].update(c["by_category"])
-        for cat, counts in q["categories"].items():
-            by_cat[cat].update(counts)
-    records = sum(q["records"] for q in qa)
-    tok_stats = [read_json(p)["stats"] for p in tokenized_indexes]
-    trainable: dict[str, Counter] = defaultdict(Counter)
-    for s in tok_stats:
-        for cat, c in s["trainable_by_category"].items():
-            trainable[cat].update(c)
+def summarize(config: dict, manifest: Path, qa_summary: Path, gates: Path, checkpoint: Path, eval_file: Path) -> dict:
+    qa = read_json(qa_summary)
     train_log = [json.loads(line) for line in (Path(checkpoint) / "train_log.jsonl").read_text().splitlines() if line]
     evaluation = read_json(eval_file)
     return {
         "run": config["run"],
         "prompts": read_json(manifest),
-        "validate": {
-            "records": records,
-            "kept": sum(q["kept"] for q in qa),
-            "rejected": sum(q["rejected"] for q in qa),
-            "reject_rate": round(sum(q["rejected"] for q in qa) / records, 4) if records else 0.0,
-            "checks": {code: {**c, "rate": round(c["total"] / records, 4) if records else 0.0,
-                              "by_category": dict(c["by_category"])} for code, c in checks.items()},
-            "categories": {cat: dict(c) for cat, c in sorted(by_cat.items())},
-        },
-        "tokenized": {
-            "rows": sum(s["rows"] for s in tok_stats),
-            "tokens": sum(s["tokens"] for s in tok_stats),
-            "trainable_tokens": sum(s["trainable_tokens"] for s in tok_stats),
-            "dropped_no_anchor": sum(s["dropped_no_anchor"] for s in tok_stats),
-            "truncated": sum(s["truncated"] for s in tok_stats),
-            "trainable_by_category": {cat: dict(c) for cat, c in sorted(trainable.items())},
-        },
+        "validate": {k: qa[k] for k in ("records", "kept", "rejected", "reject_rate", "checks", "categories")},
+        "gates": read_json(gates)["gates"],
+        "tokenized": {**qa["tokenized"], "trainable_by_category": qa["trainable_tokens"]["by_category"]},
         "train": {
             "steps": train_log[-1]["step"] if train_log else 0,
             "first_loss": train_log[0]["loss"] if train_log else None,
@@ -61,6 +32,18 @@ def summarize(config: dict, manifest: Path, qa_files: list[Path], tokenized_inde
         },
         "eval": {k: evaluation[k] for k in ("overall", "per_category") if k in evaluation},
     }
+
+
+STYLE = """body{font-family:sans-serif;margin:2em;max-width:70em} table{border-collapse:collapse;margin:1em 0}
+td,th{border:1px solid #ccc;padding:4px 8px;text-align:right} th{background:#f3f3f3} td:first-child{text-align:left}
+pre{background:#f7f7f7;padding:6px;white-space:pre-wrap;word-break:break-all;max-height:20em;overflow:auto}
+.plots svg{margin:0 1em 1em 0}"""
+
+
+def _page(title: str, body: str) -> str:
+    plain = re.sub("<[^>]+>", "", title)
+    return (f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{plain}</title><style>{STYLE}</style>'
+            f"</head><body>\n<h1>{title}</h1>\n{body}\n</body></html>\n")
 
 
 def _table(headers: list[str], rows: list[list]) -> str:
@@ -87,6 +70,76 @@ def _loss_svg(curve: list[list[float]], width: int = 560, height: int = 220) -> 
             f'<text x="{width - pad - 90}" y="{height - pad + 14}" font-size="12">loss {y0:.3f}</text></svg>')
 
 
+def _check_rates(qa: dict) -> str:
+    """Checks x categories: the share of each category's completions a check hit."""
+    cats = sorted(qa["categories"])
+    return _table(["check", "action", "hits", "rate"] + cats, [
+        [code, c["action"], c["total"], f"{c['total'] / qa['records']:.1%}" if qa["records"] else "-"]
+        + [f"{c['by_category'].get(cat, 0) / n:.1%}" if (n := qa["categories"][cat].get("records")) else "-"
+           for cat in cats]
+        for code, c in qa["checks"].items() if c["action"] != "off"
+    ])
+
+
+def _histogram_svg(title: str, bins: list[int], counts: list[int], width: int = 320, height: int = 160) -> str:
+    """Bars over fixed length bins (labelled by their lower edge)."""
+    pad, top = 28, max(counts) or 1
+    bar = (width - 2 * pad) / len(counts)
+    bars = "".join(
+        f'<rect x="{pad + i * bar:.1f}" y="{height - pad - (height - 2 * pad) * n / top:.1f}" width="{bar - 2:.1f}" '
+        f'height="{(height - 2 * pad) * n / top:.1f}" fill="#1f77b4"><title>{bins[i]}+: {n}</title></rect>'
+        for i, n in enumerate(counts))
+    labels = "".join(f'<text x="{pad + i * bar:.1f}" y="{height - pad + 12}" font-size="9">{bins[i]}</text>'
+                     for i in range(0, len(counts), 2))
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">'
+            f'<rect width="100%" height="100%" fill="white"/><text x="{pad}" y="14" font-size="12">'
+            f"{html.escape(title)}</text>{bars}{labels}"
+            f'<text x="{width - pad - 50}" y="{height - 4}" font-size="9">tokens</text>'
+            f'<text x="2" y="{pad}" font-size="9">{top}</text></svg>')
+
+
+def _example_html(code: str, ex: dict) -> str:
+    parts = [f"<p><code>{html.escape(ex['id'])}</code> ({html.escape(ex['category'])}): "
+             f"{html.escape(str(ex['detail']))}</p><pre>{html.escape(ex['excerpt'])}</pre>"]
+    if "offered_tools" in ex:
+        offered = json.dumps(ex["offered_tools"], ensure_ascii=False, indent=1)
+        parts.append(f"<p>offered tools</p><pre>{html.escape(offered)}</pre>"
+                     f"<p>parsed calls</p><pre>{html.escape(json.dumps(ex['calls'], ensure_ascii=False))}</pre>")
+    return "".join(parts)
+
+
+def render_qa_html(qa: dict) -> str:
+    """The QA page: overall counts, rates per check and category, length plots, examples."""
+    counts = _table(["category", "completions", "kept", "rejected", "reject rate", "median trainable tokens"], [
+        [cat, c.get("records", 0), c.get("kept", 0), c.get("rejected", 0), f"{c['reject_rate']:.1%}",
+         qa["trainable_tokens"]["by_category"].get(cat, {}).get("median", "-")]
+        for cat, c in qa["categories"].items()
+    ] + [["all", qa["records"], qa["kept"], qa["rejected"], f"{qa['reject_rate']:.1%}",
+          qa["trainable_tokens"]["median"]]])
+    plots = "".join(
+        _histogram_svg(f"{cat}: output tokens (n={k['output_tokens']['n']}, mean {k['output_tokens']['mean']}, "
+                       f"max {k['output_tokens']['max']})", qa["length_bins"], k["output_tokens"]["histogram"])
+        for cat, k in qa["lengths"].items() if k.get("output_tokens", {}).get("n"))
+    examples = "".join(
+        f"<h3>{html.escape(code)} ({qa['checks'][code]['total']} hits, {qa['checks'][code]['action']})</h3>"
+        + "".join(_example_html(code, ex) for ex in found)
+        for code, found in qa["examples"].items())
+    return _page("Completion quality", f"""
+<p>{qa['records']} completions in {qa['shards']} shards: {qa['kept']} kept, {qa['rejected']} rejected.</p>
+{counts}
+<h2>Checks: share of each category's completions hit</h2>{_check_rates(qa)}
+<h2>Output length per category</h2><div class="plots">{plots or "<p>no completions</p>"}</div>
+<h2>Examples per reason</h2>
+<p>Up to {EXAMPLES_PER_REASON} per reason code, with the text around the problem.</p>
+{examples or "<p>no check hit any completion</p>"}
+""")
+
+
+def write_qa_page(qa_summary: Path, html_path: Path) -> None:
+    with atomic_path(html_path) as tmp:
+        tmp.write_text(render_qa_html(read_json(qa_summary)), encoding="utf-8")
+
+
 def render_html(s: dict) -> str:
     p, v, t, tr, ev = s["prompts"], s["validate"], s["tokenized"], s["train"], s["eval"]
     stages = _table(["stage", "count"], [
@@ -97,39 +150,33 @@ def render_html(s: dict) -> str:
         ["rows dropped (no anchor)", t["dropped_no_anchor"]], ["rows truncated", t["truncated"]],
         ["train steps", tr["steps"]],
     ])
-    cats = sorted(v["categories"])
-    checks = _table(["check", "action", "hits", "rate"] + cats, [
-        [code, c["action"], c["total"], f"{c['rate']:.1%}"] + [c["by_category"].get(cat, 0) for cat in cats]
-        for code, c in v["checks"].items()
-    ])
+    checks = _check_rates(v)
     per_cat = _table(["category", "completions", "kept", "rejected", "trainable tokens"], [
         [cat, c.get("records", 0), c.get("kept", 0), c.get("rejected", 0),
-         t["trainable_by_category"].get(cat, {}).get("tokens", 0)] for cat, c in v["categories"].items()
+         t["trainable_by_category"].get(cat, {}).get("total", 0)] for cat, c in v["categories"].items()
     ])
+    gates = _table(["gate", "threshold", "measured", "verdict"], [
+        [g["gate"], g["threshold"], round(g["value"], 4), "pass" if g["passed"] else "FAIL"] for g in s["gates"]])
     acceptance = _table(["category", "acceptance length", "prompts", "tokens", "target forwards"], [
         [cat, f"{e['acceptance_length']:.3f}", e["prompts"], e["tokens"], e["target_forwards"]]
         for cat, e in [*sorted(ev.get("per_category", {}).items()), ("overall", ev.get("overall", {}))] if e
     ])
     loss = (f"<p>loss {tr['first_loss']:.3f} &rarr; {tr['final_loss']:.3f}</p>" if tr["curve"] else "") + _loss_svg(tr["curve"])
-    return f"""<!DOCTYPE html>
-<html><head><meta charset="utf-8"><title>dflash-pipeline: {html.escape(s['run'])}</title>
-<style>body{{font-family:sans-serif;margin:2em;max-width:60em}} table{{border-collapse:collapse;margin:1em 0}}
-td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} th{{background:#f3f3f3}} td:first-child{{text-align:left}}</style>
-</head><body>
-<h1>dflash-pipeline run <code>{html.escape(s['run'])}</code></h1>
+    return _page(f"dflash-pipeline run <code>{html.escape(s['run'])}</code>", f"""
 <h2>Counts per stage</h2>{stages}
-<h2>Validation: checks per category</h2>{checks}
+<h2>Validation: checks per category</h2>
+<p>Share of each category's completions the check hit (details and examples: qa.html).</p>{checks}
+<h2>Quality gates</h2>{gates}
 <h2>Per category</h2>{per_cat}
 <h2>Drafter training loss</h2>{loss}
 <h2>Acceptance length on held-out prompts</h2>
 <p>Mean tokens accepted per target forward (greedy speculative decoding; 1.0 = no speed-up).</p>{acceptance}
-</body></html>
-"""
+""")
 
 
-def write_report(config: dict, manifest: Path, qa_files: list[Path], tokenized_indexes: list[Path],
-                 checkpoint: Path, eval_file: Path, html_path: Path, json_path: Path) -> dict:
-    summary = summarize(config, manifest, qa_files, tokenized_indexes, checkpoint, eval_file)
+def write_report(config: dict, manifest: Path, qa_summary: Path, gates: Path, checkpoint: Path, eval_file: Path,
+                 html_path: Path, json_path: Path) -> dict:
+    summary = summarize(config, manifest, qa_summary, gates, checkpoint, eval_file)
     write_json(json_path, summary)
     with atomic_path(html_path) as tmp:
         tmp.write_text(render_html(summary), encoding="utf-8")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import lru_cache
 
 XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.S)
 XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
@@ -38,7 +39,30 @@ def text_before_calls(content: str) -> str:
     return content.split("<tool_call>", 1)[0]
 
 
-CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+def call_blocks(content: str) -> tuple[list[str], int, int]:
+    """(bodies of the closed ``<tool_call>`` blocks, how many are left open, where the last closed
+    one ends). A block closes before the next one opens; searching no further keeps a text that
+    opens thousands of blocks (a loop) linear."""
+    bodies, unclosed, end = [], 0, 0
+    pos = content.find("<tool_call>")
+    while pos >= 0:
+        start = pos + len("<tool_call>")
+        following = content.find("<tool_call>", start)
+        close = content.find("</tool_call>", start, following if following >= 0 else len(content))
+        if close < 0:
+            unclosed += 1
+        else:
+            bodies.append(content[start:close])
+            end = close + len("</tool_call>")
+        pos = following
+    return bodies, unclosed, end
+
+
+@lru_cache(maxsize=256)
+def _validator(schema_json: str):
+    from jsonschema import Draft202012Validator
+
+    return Draft202012Validator(json.loads(schema_json))
 XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
 XML_PARAM_ONLY = re.compile(r"(?:\s*<parameter=[^>\n]+>\n?.*?\n?</parameter>)*\s*", re.S)
 
@@ -68,18 +92,17 @@ def check_tool_calls(content: str, reasoning: str | None, tools: list | None,
     ``fmt`` is the model's call format: ``xml`` (Qwen3.5/3.6, Qwen3-Coder), ``json`` (Hermes,
     Qwen2.5/Qwen3) or ``auto`` (each call as it is written); a call in the other format is bad.
     """
-    from jsonschema import Draft202012Validator
-
     problems: dict[str, str] = {}
-    offered = {t["function"]["name"]: t["function"] for t in tools or []}
-    calls: list[dict] = []
-    blocks = list(CALL_BLOCK.finditer(content))
-    if content.count("<tool_call>") > len(blocks):
-        problems["tool_unclosed"] = "a <tool_call> without </tool_call>"
     if reasoning and "<tool_call>" in reasoning:
         problems["tool_call_in_reasoning"] = "<tool_call> inside the reasoning"
-    for block in blocks:
-        body = block.group(1)
+    if "<tool_call>" not in content:
+        return [], problems
+    offered = {t["function"]["name"]: t["function"] for t in tools or []}
+    calls: list[dict] = []
+    bodies, unclosed, end = call_blocks(content)
+    if unclosed:
+        problems["tool_unclosed"] = f"{unclosed} <tool_call> without </tool_call>"
+    for body in bodies:
         xml = XML_FUNCTION.fullmatch(body)
         if body.lstrip().startswith("<function=") or (fmt == "xml" and not body.lstrip().startswith("{")):
             if fmt == "json":
@@ -121,10 +144,10 @@ def check_tool_calls(content: str, reasoning: str | None, tools: list | None,
         if not isinstance(arguments, dict):
             problems.setdefault("tool_args_schema", f"{name}: arguments are not an object")
             continue
-        for error in Draft202012Validator(schema).iter_errors(arguments):
+        for error in _validator(json.dumps(schema, sort_keys=True)).iter_errors(arguments):
             code = "tool_missing_required" if error.validator == "required" else "tool_args_schema"
             where = ".".join(map(str, error.absolute_path)) or "arguments"
             problems.setdefault(code, f"{name}: {where}: {error.message}")
-    if blocks and content[blocks[-1].end():].strip():
-        problems["text_after_tool_call"] = f"text after the last call: {content[blocks[-1].end():].strip()[:80]!r}"
+    if bodies and content[end:].strip():
+        problems["text_after_tool_call"] = f"text after the last call: {content[end:].strip()[:80]!r}"
     return calls, problems

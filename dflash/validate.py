@@ -6,15 +6,17 @@ Each check is a small function with a stable reason code; the config sets every 
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 import statistics
+from bisect import bisect_right
 from collections import Counter, defaultdict
 from itertools import accumulate, islice
 from pathlib import Path
 from typing import Callable
 
-from dflash.io import iter_jsonl, write_json, write_jsonl_zst
+from dflash.io import SHARD_RE, iter_jsonl, iter_jsonl_lines, jsonl_zst_writer, with_field, write_json
 from dflash.toolcalls import check_tool_calls
 
 log = logging.getLogger(__name__)
@@ -23,7 +25,9 @@ ACTIONS = ("reject", "flag", "off")
 TAGS = re.compile(r"</?think>|</?tool_call>|</?tool_response>|<\|[a-z_]+\|>")
 SUBSTANCE = re.compile(r"\w+|[^\w\s]")
 STRAY_THINK = re.compile(r"</?think>")
-CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+CONTROL = r"\x00-\x08\x0b\x0c\x0e-\x1f\x7f"
+# One pass finds all three: a replacement character, a lone surrogate (not encodable as UTF-8), a control.
+BAD_CHAR = re.compile(f"[\ufffd\ud800-\udfff{CONTROL}]")
 
 
 def substance_tokens(text: str, limit: int | None = None) -> int:
@@ -43,9 +47,18 @@ def repetition_loop(text: str, min_repeats: int, min_chars: int) -> str | None:
     but not identical (code, tables, numbered lists, data) never count."""
     lines = text.split("\n")
     counts = Counter(lines)
-    repeated = any(n >= min_repeats and line.strip() for line, n in counts.items())
-    ends = list(accumulate(len(ln) + 1 for ln in lines))  # ends[j]: chars up to the end of line j
-    for k in range(1, 9 if repeated else 1):
+    least = min(min_repeats, 10)  # 10: the last check below needs a line 10 times or more
+    frequent = {line for line, n in counts.items() if n >= least and line.strip()} \
+        if max(counts.values()) >= least else set()
+    # A loop of blocks of up to 8 lines brings some frequent line back within 8 lines; most texts
+    # have none, and skip the scans below.
+    close_repeat, last_seen = False, {}
+    for i in [i for i, line in enumerate(lines) if line in frequent] if frequent else ():
+        close_repeat = close_repeat or i - last_seen.get(lines[i], -9) <= 8
+        last_seen[lines[i]] = i
+    if close_repeat:
+        ends = list(accumulate(len(ln) + 1 for ln in lines))  # ends[j]: chars up to the end of line j
+    for k in range(1, 9) if close_repeat else ():
         equal = 0  # how many lines in a row equal the line k before them
         for i in range(k, len(lines) + 1):
             if i < len(lines) and lines[i] == lines[i - k]:
@@ -65,7 +78,9 @@ def repetition_loop(text: str, min_repeats: int, min_chars: int) -> str | None:
         run = max(period * (min_repeats - 1), min_chars - period)
         if run + period <= len(tail) and tail[-run:] == tail[-run - period:-period]:
             return f"the tail repeats {tail[-period:][:60]!r} (period {period} chars)"
-    recent = [ln for ln in lines if ln.strip()][-40:]
+    if not any(counts[line] >= 10 for line in frequent):  # too rare to be half of 20 lines or more
+        return None
+    recent = list(islice((ln for ln in reversed(lines) if ln.strip()), 40))
     common = Counter(ln for ln in recent if len(ln.strip()) >= 8).most_common(1)
     if len(recent) >= 20 and common and common[0][1] * 2 >= len(recent):
         return f"{common[0][1]} of the last {len(recent)} lines are {common[0][0][:60]!r}"
@@ -73,14 +88,15 @@ def repetition_loop(text: str, min_repeats: int, min_chars: int) -> str | None:
 
 
 def encoding_problem(text: str) -> str | None:
-    if "\ufffd" in text:
-        return f"U+FFFD (a replacement character) at {text.index(chr(0xFFFD))}"
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return f"not encodable as UTF-8 at {e.start} (a lone surrogate)"
-    bad = CONTROL.search(text)
-    return f"control character U+{ord(bad.group()):04X} at {bad.start()}" if bad else None
+    bad = BAD_CHAR.search(text)
+    if bad is None:
+        return None
+    char, at = bad.group(), bad.start()
+    if char == "\ufffd":
+        return f"U+FFFD (a replacement character) at {at}"
+    if "\ud800" <= char <= "\udfff":
+        return f"not encodable as UTF-8 at {at} (a lone surrogate)"
+    return f"control character U+{ord(char):04X} at {at}"
 
 
 # Each check returns a detail (truthy) when the record has the problem. ``ctx`` holds the parsed
@@ -122,52 +138,165 @@ def judge(rec: dict, cfg: dict) -> tuple[list[str], list[str], list[dict], dict[
     return reasons, flags, calls, details
 
 
-def _stats(values: list[int]) -> dict:
+# Fixed bin edges (output tokens) so per-shard histograms add up across shards in the summary.
+LENGTH_BINS = [0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+EXAMPLES_PER_REASON = 3
+WINDOW = 400  # characters of text shown around a problem
+ANCHORS = {  # where in the record a problem shows: (field, pattern); the end of the text if none
+    "stray_think": ("content", STRAY_THINK),
+    "encoding": ("text", BAD_CHAR),
+    "tool_call_in_reasoning": ("reasoning", re.compile("<tool_call>")),
+    "text_after_tool_call": ("content", re.compile(r"</tool_call>(?![\s\S]*</tool_call>)")),
+    "trivial": ("text", re.compile("^")),
+    "empty_answer": ("text", re.compile("^")),
+    "empty_reasoning": ("text", re.compile("^")),
+    **{code: ("content", re.compile("<tool_call>")) for code in (
+        "tool_unclosed", "tool_bad_json", "tool_bad_xml", "tool_unknown_name", "tool_args_schema",
+        "tool_missing_required", "tool_without_tools")},
+}
+
+
+def excerpt(rec: dict, code: str) -> str:
+    """About WINDOW characters of the record around where ``code`` shows, ``…`` where cut."""
+    field, pattern = ANCHORS.get(code, ("text", None))
+    text = rec.get(field) or ""
+    hit = pattern.search(text) if pattern else None
+    if hit is None:
+        return ("…" if len(text) > WINDOW else "") + text[-WINDOW:]
+    start = max(0, hit.start() - WINDOW // 4)
+    return ("…" if start else "") + text[start:start + WINDOW] + ("…" if start + WINDOW < len(text) else "")
+
+
+def example(rec: dict, code: str, detail: str, calls: list[dict]) -> dict:
+    """What a reader needs to judge one hit: where, what the check saw, the text around it and,
+    for tool-call problems, the offered tools and the parsed calls."""
+    ex = {"id": rec["id"], "category": rec["category"], "detail": detail, "excerpt": excerpt(rec, code)}
+    if code.startswith("tool_") or code == "text_after_tool_call":
+        ex["offered_tools"] = [{"name": t["function"]["name"],
+                                "parameters": t["function"].get("parameters")} for t in rec.get("tools") or []]
+        ex["calls"] = calls
+    return ex
+
+
+def _length_stats(values: list[int]) -> dict:
+    """Summary and fixed-bin histogram of a category's lengths."""
     if not values:
         return {"n": 0}
-    return {"n": len(values), "mean": round(statistics.fmean(values), 1), "median": statistics.median(values),
-            "min": min(values), "max": max(values)}
+    ordered = sorted(values)
+    hist = [0] * len(LENGTH_BINS)
+    for v in ordered:
+        hist[bisect_right(LENGTH_BINS, v) - 1] += 1
+    return {"n": len(ordered), "sum": sum(ordered), "mean": round(sum(ordered) / len(ordered), 1),
+            "median": statistics.median(ordered), "p90": ordered[int(0.9 * (len(ordered) - 1))],
+            "max": ordered[-1], "histogram": hist}
+
+
+GENERATION_SUFFIX = re.compile(r"-g\d+$")
+
+
+def read_exclusions(paths: list[str | Path]) -> dict[str, str]:
+    """Sample ids to drop, with the reason for each: a ``.jsonl`` file holds ``{"id", "reason"}``
+    objects; any other file one id per line (``#`` starts a comment). A prompt id drops every
+    generation of that prompt; a record id (``<prompt id>-gN``) only that generation."""
+    excluded: dict[str, str] = {}
+    for path in map(Path, paths):
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            where = f"{path}:{lineno}"
+            if path.suffix == ".jsonl":
+                if not line.strip():
+                    continue
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+                if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+                    raise ValueError(f'{where}: expected an object with a string "id" (and an optional "reason")')
+                excluded[entry["id"]] = str(entry.get("reason") or f"listed in {where}")
+            elif (sample := line.split("#", 1)[0].strip()):
+                if len(sample.split()) > 1:
+                    raise ValueError(f"{where}: one sample id per line, got {sample!r}")
+                excluded[sample] = f"listed in {where}"
+    return excluded
+
+
+def exclusions_by_shard(excluded: dict[str, str], prompts_dir: str | Path) -> tuple[dict[str, dict], list[str]]:
+    """The exclusions grouped by the prompt shard ("00003") holding each id, and the ids no shard
+    holds (held-out prompts, typos). Reads the prompts' id index, not the completion shards."""
+    index_path = Path(prompts_dir) / "ids.tsv"
+    if index_path.exists():
+        shard_of = dict(line.split("\t") for line in index_path.read_text(encoding="utf-8").splitlines())
+    else:  # prompts written before the index existed
+        shard_of = {rec["id"]: m.group(1) for path in sorted(Path(prompts_dir).iterdir())
+                    if (m := SHARD_RE.search(path.name)) for rec in iter_jsonl(path)}
+    by_shard: dict[str, dict] = defaultdict(dict)
+    unknown = []
+    for sample, reason in sorted(excluded.items()):
+        shard = shard_of.get(sample) or shard_of.get(GENERATION_SUFFIX.sub("", sample))
+        if shard is None:
+            unknown.append(sample)
+        else:
+            by_shard[shard][sample] = reason
+    return dict(by_shard), unknown
 
 
 def validate_shard(completions_path: Path, validated_path: Path, rejected_path: Path, qa_path: Path,
-                   cfg: dict) -> dict:
-    """Judge every record of a completion shard; in == kept + rejected, always."""
+                   cfg: dict, excluded: dict[str, str] | None = None) -> dict:
+    """Judge every record of a completion shard; in == kept + rejected, always. A record whose id
+    or prompt id is in ``excluded`` is rejected with reason ``excluded`` and not judged.
+
+    Records stream through: memory holds one record plus the shard's counts and lengths."""
     unknown = set(cfg["checks"]) - set(CHECKS)
     if unknown:
         raise ValueError(f"validate.checks: unknown check(s) {sorted(unknown)}; known: {sorted(CHECKS)}")
-    kept, rejected = [], []
+    excluded = excluded or {}
     hits: dict[str, Counter] = defaultdict(Counter)
     per_cat: dict[str, Counter] = defaultdict(Counter)
-    out_tokens: dict[str, list[int]] = defaultdict(list)
-    for rec in iter_jsonl(completions_path):
-        reasons, flags, calls, details = judge(rec, cfg)
-        cat = rec["category"]
-        per_cat[cat]["records"] += 1
-        for code in reasons + flags:
-            hits[code][cat] += 1
-        qa = {"flags": flags, "tool_calls": calls, "details": details}
-        if reasons:
-            rejected.append({**rec, "qa": {**qa, "reasons": reasons}})
-            per_cat[cat]["rejected"] += 1
-        else:
-            kept.append({**rec, "qa": qa})
-            per_cat[cat]["kept"] += 1
-            out_tokens[cat].append(rec["usage"]["completion_tokens"])
-    write_jsonl_zst(validated_path, kept)
-    write_jsonl_zst(rejected_path, rejected)
-    total = len(kept) + len(rejected)
+    lengths: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    examples: dict[str, list[dict]] = defaultdict(list)
+    # zstd level 1: these shards are read once more, by tokenize; level 3 would cost a third of the stage.
+    with jsonl_zst_writer(validated_path, level=1) as keep, jsonl_zst_writer(rejected_path, level=1) as reject:
+        # No check reads token ids: they stay unparsed, and pass through in the raw lines.
+        for line, rec in iter_jsonl_lines(completions_path, skip_arrays=("prompt_token_ids", "output_token_ids")):
+            cat = rec["category"]
+            why = excluded.get(rec["id"]) or excluded.get(rec.get("prompt_id"))
+            if why:
+                reasons, flags, calls, details = ["excluded"], [], [], {"excluded": why}
+            else:
+                reasons, flags, calls, details = judge(rec, cfg)
+            per_cat[cat]["records"] += 1
+            for code in reasons + flags:
+                hits[code][cat] += 1
+                if len(examples[code]) < EXAMPLES_PER_REASON:
+                    examples[code].append(example(rec, code, details[code], calls))
+            qa = {"flags": flags, "tool_calls": calls, "details": details}
+            if reasons:
+                qa["reasons"] = reasons
+            per_cat[cat]["rejected" if reasons else "kept"] += 1
+            (reject if reasons else keep)(with_field(line, rec, "qa", qa))
+            tokens = rec["usage"]["completion_tokens"]
+            lengths[cat]["output_tokens"].append(tokens)
+            if not reasons:
+                lengths[cat]["kept_output_tokens"].append(tokens)
+            lengths[cat]["reasoning_chars"].append(len(rec.get("reasoning") or ""))
+            lengths[cat]["content_chars"].append(len(rec.get("content") or ""))
+    kept = sum(c["kept"] for c in per_cat.values())
+    rejected = sum(c["rejected"] for c in per_cat.values())
+    total = kept + rejected
     report = {
         "shard": Path(completions_path).name,
         "records": total,
-        "kept": len(kept),
-        "rejected": len(rejected),
-        "reject_rate": round(len(rejected) / total, 4) if total else 0.0,
+        "kept": kept,
+        "rejected": rejected,
+        "reject_rate": round(rejected / total, 4) if total else 0.0,
         "checks": {code: {"action": cfg["checks"].get(code, "reject"), "total": sum(hits[code].values()),
-                          "by_category": dict(hits[code])} for code in CHECKS},
+                          "by_category": dict(hits[code])} for code in [*CHECKS, "excluded"]},
         "categories": {cat: dict(c) for cat, c in sorted(per_cat.items())},
-        "kept_output_tokens": {cat: _stats(v) for cat, v in sorted(out_tokens.items())},
+        "length_bins": LENGTH_BINS,
+        "lengths": {cat: {name: _length_stats(v) for name, v in sorted(kinds.items())}
+                    for cat, kinds in sorted(lengths.items())},
+        "examples": dict(examples),
     }
     write_json(qa_path, report)
-    log.info("validate %s: %d records, %d kept, %d rejected (%s)", report["shard"], total, len(kept), len(rejected),
+    log.info("validate %s: %d records, %d kept, %d rejected (%s)", report["shard"], total, kept, rejected,
              ", ".join(f"{c}={n['total']}" for c, n in report["checks"].items() if n["total"]) or "no hits")
     return report

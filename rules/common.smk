@@ -1,4 +1,8 @@
 # Input helpers shared by the rules: which prompt shards exist is known once the prompts checkpoint ran.
+import functools
+import os
+
+from dflash.validate import exclusions_by_shard, read_exclusions
 
 
 def prompt_file(name):
@@ -24,3 +28,24 @@ def server_file(wildcards):
     # 9.27 with the generate jobs the checkpoint replaced still in it, and they would run twice.
     checkpoints.prompts.get()
     return f"{OUT}/servers/{int(wildcards.shard) % LAUNCH['instances']}.json"
+
+
+@functools.cache
+def _exclusions_by_shard(prompts_dir, files, _prompts_written):
+    by_shard, unknown = exclusions_by_shard(read_exclusions(files), prompts_dir)
+    if unknown:
+        logger.warning(f"validate.exclude: {len(unknown)} id(s) held by no prompt shard (held out or mistyped): "
+                       + ", ".join(unknown[:10]) + (" ..." if len(unknown) > 10 else ""))
+    return by_shard
+
+
+def excluded_in_shard(wildcards):
+    """Params function: the excluded ids (with reasons) a shard holds. As a param, not an input,
+    a new id re-runs only the validate job of its shard; the exclusion files themselves are no input."""
+    files = tuple(config["validate"]["exclude"])
+    if not files:
+        return {}
+    prompts_dir = checkpoints.prompts.get().output[0]
+    # Keyed on the prompts' write time too: a prompts job re-run in this process moves ids.
+    written = os.path.getmtime(prompts_dir)
+    return _exclusions_by_shard(prompts_dir, files, written).get(wildcards.shard, {})

@@ -5,7 +5,7 @@ rule hidden:
         target=TARGET,
         # Must exist (every gate passed), but its rewrite after another shard changed is no reason
         # to extract this shard again.
-        gates=ancient(f"{OUT}/qa/summary.json"),
+        gates=ancient(f"{OUT}/qa/gates.json"),
     output:
         f"{OUT}/hidden/shard-{{shard}}.safetensors",
     params:

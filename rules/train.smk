@@ -4,7 +4,7 @@ rule train:
         tokenized=per_shard(f"{OUT}/tokenized/shard-{{shard}}.safetensors"),
         hidden=per_shard(f"{OUT}/hidden/shard-{{shard}}.safetensors"),
         target=TARGET,
-        gates=ancient(f"{OUT}/qa/summary.json"),
+        gates=ancient(f"{OUT}/qa/gates.json"),
     output:
         directory(f"{OUT}/checkpoints/{{run}}"),
     params:

@@ -7,7 +7,8 @@ rule validate:
         rejected=f"{OUT}/rejected/shard-{{shard}}.jsonl.zst",
         qa=f"{OUT}/qa/shard-{{shard}}.json",
     params:
-        validate=config["validate"],
+        validate={k: v for k, v in config["validate"].items() if k != "exclude"},
+        excluded=excluded_in_shard,
     log:
         f"{LOGS}/validate/{{shard}}.log",
     benchmark:
@@ -18,14 +19,29 @@ rule validate:
         "../scripts/validate.py"
 
 
-rule gate:
-    """Quality gates over every shard's QA and token statistics. The QA summary appears only when
-    every gate passes; hidden-state and training jobs need it, so a failed gate stops them all."""
+rule qa_summary:
+    """Every shard's QA counts, lengths and examples plus the tokenized rows' statistics, summed.
+    Written whatever the numbers: the gate judges it, the QA page shows it."""
     input:
         qa=per_shard(f"{OUT}/qa/shard-{{shard}}.json"),
         tokenized=per_shard(f"{OUT}/tokenized/shard-{{shard}}.json"),
     output:
         f"{OUT}/qa/summary.json",
+    log:
+        f"{LOGS}/qa_summary.log",
+    conda:
+        "../envs/torch.yaml"
+    script:
+        "../scripts/qa_summary.py"
+
+
+rule gate:
+    """Quality gates over the QA summary. The verdicts appear only when every gate passes;
+    hidden-state and training jobs need them, so a failed gate stops them all."""
+    input:
+        f"{OUT}/qa/summary.json",
+    output:
+        f"{OUT}/qa/gates.json",
     params:
         gates=config["gates"],
     log:

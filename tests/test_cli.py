@@ -6,7 +6,7 @@ from dflash.cli import main
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
 from tests.conftest import ROOT
 
-STAGES = ["prompts", "target", "generate", "validate", "tokenize", "hidden", "train", "eval", "report"]
+STAGES = ["prompts", "target", "generate", "validate", "tokenize", "hidden", "train", "eval", "report", "inspect"]
 
 
 def test_help_lists_every_stage():
@@ -25,6 +25,11 @@ def test_validate_twin_on_one_shard(tmp_path):
     assert rc == 0
     assert read_jsonl(tmp_path / "r.jsonl.zst")[0]["qa"]["reasons"] == ["trivial"]
     assert read_json(tmp_path / "qa.json")["rejected"] == 1
+    (tmp_path / "drop.jsonl").write_text('{"id": "a", "reason": "by hand"}\n')
+    assert main(["validate", "--config", str(ROOT / "config.yaml"), "--completions", str(tmp_path / "c.jsonl.zst"),
+                 "--validated", str(tmp_path / "v.jsonl.zst"), "--rejected", str(tmp_path / "r.jsonl.zst"),
+                 "--qa", str(tmp_path / "qa.json"), "--exclude", str(tmp_path / "drop.jsonl")]) == 0
+    assert read_jsonl(tmp_path / "r.jsonl.zst")[0]["qa"]["details"] == {"excluded": "by hand"}
 
 
 def test_prompts_twin_and_clear_errors(tmp_path, capsys, monkeypatch):

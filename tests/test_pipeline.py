@@ -86,7 +86,8 @@ def test_whole_chain_runs_and_writes_every_stage(pipeline):
     summary = read_json(res / "report" / "summary.json")
     assert summary["validate"]["records"] == 32 and summary["tokenized"]["rows"] > 0
     assert "Acceptance length" in (res / "report" / "summary.html").read_text()
-    for rule in ("prompts", "target", "train/demo", "eval/demo", "report"):
+    assert "Output length per category" in (res / "report" / "qa.html").read_text()
+    for rule in ("prompts", "target", "train/demo", "eval/demo", "report", "gate", "qa_summary", "qa_report"):
         assert (res / "logs" / f"{rule}.log").exists(), rule
 
 
@@ -99,7 +100,7 @@ def test_snakemake_report_embeds_the_summary(pipeline):
     work, _ = pipeline
     snakemake(work, "--report", str(work / "report.html"))
     page = (work / "report.html").read_text()
-    assert "summary.html" in page and len(page) > 100_000
+    assert "summary.html" in page and "qa.html" in page and len(page) > 100_000
 
 
 def test_trivial_completions_stop_at_the_gate_before_any_gpu_job(pipeline, tmp_path):
@@ -129,12 +130,17 @@ def test_trivial_completions_stop_at_the_gate_before_any_gpu_job(pipeline, tmp_p
     before = {p: p.stat().st_mtime_ns for p in gpu_outputs}
     out = snakemake(work, "--cores", "2", check=False)
     assert "Error in rule gate" in out and "results/logs/gate.log" in out
+    assert re.search(r"gate max_trivial_share: \d+\.\d% of records are trivial", out)  # on the terminal too
     log = (work / "results" / "logs" / "gate.log").read_text()
     hit = re.search(rf"gate max_trivial_share: (\d+\.\d)% of records are trivial, (\d+) of {n} \(limit 50\.0%\)", log)
     assert hit and int(hit.group(2)) >= trivial and float(hit.group(1)) >= 87.0  # the model's own may be trivial too
     assert "quality gate failed, no hidden-state or training job will run" in log
     assert {p: p.stat().st_mtime_ns for p in gpu_outputs} == before  # nothing extracted or trained again
-    assert not (work / "results" / "qa" / "summary.json").exists()
+    assert not (work / "results" / "qa" / "gates.json").exists()
+    # the QA page needs no gate: it shows why this one failed
+    snakemake(work, "--cores", "1", "results/report/qa.html")
+    page = (work / "results" / "report" / "qa.html").read_text()
+    assert "<h3>trivial" in page and "OK." in page.split("<h3>trivial")[1]
     assert not re.search(r"^\s*(local)?rule (hidden|train):", out[out.index("Error in rule gate"):], re.M)
 
 
@@ -152,6 +158,42 @@ def test_only_settings_that_shape_the_records_rerun_generation(pipeline):
     assert {s for rule, s in jobs if rule == "generate"} == {"00000", "00001", "00002"}
 
 
+def test_excluded_ids_rerun_only_the_shards_holding_them(pipeline, tmp_path):
+    work, _ = pipeline
+    shard_of = dict(line.split("\t") for line in (work / "results/prompts/ids.tsv").read_text().splitlines())
+    first = [i for i, s in shard_of.items() if s == "00000"][:2]
+    third = [i for i, s in shard_of.items() if s == "00002"][0]
+    (work / "drop.txt").write_text(f"# found by hand\n{first[0]}\n{first[1]}  # loops\nnot-a-sample-id\n")
+    (work / "drop.jsonl").write_text(json.dumps({"id": third, "reason": "leaked eval prompt"}) + "\n")
+    config = yaml.safe_load((work / "config.yaml").read_text())
+    config["validate"]["exclude"] = [str(work / "drop.txt"), str(work / "drop.jsonl")]
+    other = work / "exclude.yaml"
+    other.write_text(yaml.safe_dump(config))
+    out = snakemake(work, "-n", "--configfile", str(other))
+    assert "1 id(s) held by no prompt shard" in out and "not-a-sample-id" in out
+    jobs = planned_jobs(out)
+    assert {(rule, s) for rule, s in jobs if s is not None} == {
+        (r, s) for r in ("validate", "tokenize", "hidden") for s in ("00000", "00002")}
+    assert {rule for rule, s in jobs if s is None} == {"qa_summary", "gate", "qa_report", "train", "eval", "report",
+                                                       "all"}
+
+    # For real, in a copy: the listed records land in rejected/ with their reasons, nothing is lost.
+    copy = tmp_path / "copy"
+    shutil.copytree(work, copy, symlinks=True)
+    other = copy / "exclude.yaml"
+    other.write_text(yaml.safe_dump(config))
+    snakemake(copy, "--cores", "2", "--configfile", str(other), "--until", "validate")
+    rejected = {r["id"]: r["qa"] for r in read_jsonl(copy / "results/rejected/shard-00000.jsonl.zst")}
+    assert {i: rejected[i]["details"]["excluded"] for i in first} == {
+        first[0]: f"listed in {work}/drop.txt:2", first[1]: f"listed in {work}/drop.txt:3"}
+    assert read_jsonl(copy / "results/rejected/shard-00002.jsonl.zst")[0]["qa"]["details"] == {
+        "excluded": "leaked eval prompt"}
+    qa = read_json(copy / "results/qa/shard-00000.json")
+    assert qa["checks"]["excluded"]["total"] == 2 and qa["kept"] + qa["rejected"] == qa["records"]
+    assert not {s for rule, s in planned_jobs(snakemake(copy, "-n", "--configfile", str(other)))
+                if rule == "validate"}
+
+
 def test_changing_one_prompt_shard_reruns_only_that_shard(pipeline):
     work, _ = pipeline
     shard = work / "results" / "prompts" / "shard-00001.jsonl.zst"
@@ -161,4 +203,5 @@ def test_changing_one_prompt_shard_reruns_only_that_shard(pipeline):
     per_shard = {(rule, s) for rule, s in jobs if s is not None}
     assert per_shard == {(r, "00001") for r in ("generate", "validate", "tokenize", "hidden")}
     # the gate sees the changed QA; the other shards keep their hidden states (the gate is ancient() there)
-    assert {rule for rule, s in jobs if s is None} == {"gate", "train", "eval", "report", "all"}
+    assert {rule for rule, s in jobs if s is None} == {"qa_summary", "gate", "qa_report", "train", "eval", "report",
+                                                       "all"}

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
@@ -57,6 +59,7 @@ NUMBERED = "\n".join(f"{i}. Check that step {i} leaves the system in a consisten
     (record(f"{REASONING}\n</think>\n\nParis.</think> Really, Paris is the capital city."), "stray_think"),
     (record(f"{REASONING}\n</think>\n\nThe capital of France is Par\ufffds, a city on the Seine."), "encoding"),
     (record(f"{REASONING}\n</think>\n\nThe capital of France is Paris\x07, a city on the Seine."), "encoding"),
+    (record(f"{REASONING}\n</think>\n\nThe capital of France is Paris\ud800, a city on the Seine."), "encoding"),
     (answer("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"), "tool_unclosed"),
     (answer('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>'), "tool_bad_json"),
     (answer("<tool_call>\n<function=get_weather>\n<parameter=city>Paris</function>\n</tool_call>"), "tool_bad_xml"),
@@ -149,3 +152,90 @@ def test_unknown_check_in_config_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="unknown check"):
         validate_shard(tmp_path / "c.jsonl.zst", tmp_path / "v", tmp_path / "r", tmp_path / "q",
                        {**CFG, "checks": {"trival": "reject"}})
+
+
+def test_excluded_ids_are_rejected_with_their_reason(tmp_path):
+    from dflash.validate import read_exclusions
+
+    (tmp_path / "ids.txt").write_text("# by hand\nt\n\nl-g1  # second step\n")
+    (tmp_path / "ids.jsonl").write_text('{"id": "r", "reason": "leaked eval prompt"}\n')
+    excluded = read_exclusions([tmp_path / "ids.txt", tmp_path / "ids.jsonl"])
+    assert excluded == {"t": f"listed in {tmp_path}/ids.txt:2", "l-g1": f"listed in {tmp_path}/ids.txt:4",
+                        "r": "leaked eval prompt"}
+    recs = [GOOD, {**GOOD, "id": "t-g1", "prompt_id": "t"}, {**GOOD, "id": "l", "prompt_id": "l"},
+            {**GOOD, "id": "l-g1", "prompt_id": "l"}]
+    write_jsonl_zst(tmp_path / "c.jsonl.zst", recs)
+    rep = validate_shard(tmp_path / "c.jsonl.zst", tmp_path / "v.jsonl.zst", tmp_path / "r.jsonl.zst",
+                         tmp_path / "qa.json", CFG, excluded)
+    assert [r["id"] for r in read_jsonl(tmp_path / "v.jsonl.zst")] == ["l"]
+    rejected = {r["id"]: r["qa"] for r in read_jsonl(tmp_path / "r.jsonl.zst")}
+    assert rejected["r"] == {"flags": [], "tool_calls": [], "details": {"excluded": "leaked eval prompt"},
+                             "reasons": ["excluded"]}
+    assert set(rejected) == {"r", "t-g1", "l-g1"} and rep["checks"]["excluded"]["total"] == 3
+
+
+@pytest.mark.parametrize("line, message", [("a b", "one sample id per line"), ('{"reason": "x"}', 'string "id"'),
+                                           ("{oops", "not valid JSON")])
+def test_bad_exclusion_line_names_file_and_line(tmp_path, line, message):
+    from dflash.validate import read_exclusions
+
+    path = tmp_path / ("x.jsonl" if line.startswith("{") else "x.txt")
+    path.write_text(f"ok\n{line}\n" if path.suffix == ".txt" else f'{{"id": "ok"}}\n{line}\n')
+    with pytest.raises(ValueError, match=f"{path}:2: .*{message}"):
+        read_exclusions([path])
+
+
+def test_exclusions_map_to_the_prompt_shards_holding_them(tmp_path):
+    from dflash.validate import exclusions_by_shard
+
+    (tmp_path / "ids.tsv").write_text("a\t00000\nb\t00001\n")
+    by_shard, unknown = exclusions_by_shard({"a": "x", "b-g2": "y", "zz": "z"}, tmp_path)
+    assert by_shard == {"00000": {"a": "x"}, "00001": {"b-g2": "y"}} and unknown == ["zz"]
+
+
+def test_qa_shows_examples_around_the_problem_and_length_statistics(tmp_path):
+    bad_args = answer(xml(city="Paris", days="soon"))
+    recs = [GOOD, STORY_LOOP, bad_args, record("\n\n</think>\nOK.", rid="t")]
+    write_jsonl_zst(tmp_path / "c.jsonl.zst", recs)
+    rep = validate_shard(tmp_path / "c.jsonl.zst", tmp_path / "v.jsonl.zst", tmp_path / "r.jsonl.zst",
+                         tmp_path / "qa.json", CFG)
+    loop = rep["examples"]["repetition_loop"][0]
+    assert loop["excerpt"].startswith("…") and loop["excerpt"].endswith("<tool_call>\n</think>\n")
+    assert loop["detail"] == "400 x '<tool_call>\\n</think>' (2 lines in a row)"
+    schema = rep["examples"]["tool_args_schema"][0]
+    assert schema["excerpt"].lstrip().startswith("<tool_call>\n<function=get_weather>")
+    assert schema["offered_tools"][0]["name"] == "get_weather" and schema["calls"] == [
+        {"name": "get_weather", "arguments": {"city": "Paris", "days": "soon"}}]
+    assert "days" in schema["detail"]
+    assert rep["examples"]["trivial"][0]["excerpt"] == "\n\n</think>\nOK."
+    chat = rep["lengths"]["chat"]
+    assert chat["output_tokens"]["n"] == 3 and chat["kept_output_tokens"]["n"] == 1
+    assert sum(chat["output_tokens"]["histogram"]) == 3 and len(rep["length_bins"]) == len(chat["output_tokens"]["histogram"])
+
+
+def test_kept_lines_are_the_input_lines_plus_qa(tmp_path):
+    from dflash.io import dumps_line, with_field
+
+    rec = {"id": "é", "text": 'a "quoted"\n\u2028 line'}
+    line = dumps_line(rec)
+    assert json.loads(with_field(line, rec, "qa", {"flags": ["x"]})) == {**rec, "qa": {"flags": ["x"]}}
+    assert json.loads(with_field(line, rec, "id", 3)) == {**rec, "id": 3}
+    assert json.loads(with_field(b"{}", {}, "qa", 1)) == {"qa": 1}
+
+
+def test_token_ids_pass_through_unparsed_and_a_lookalike_in_text_is_harmless(tmp_path):
+    from dflash.io import iter_jsonl_lines
+
+    tricky = {**GOOD, "id": "tricky", "content": GOOD["content"] + ' , "output_token_ids": [1, 2] ]'}
+    first = {"output_token_ids": [7, 8], **GOOD, "id": "first"}  # the key first: no ", " before it
+    recs = [{**GOOD, "prompt_token_ids": [1, 2], "output_token_ids": [3, 4, 5]},
+            {**tricky, "output_token_ids": [9]}, first]
+    write_jsonl_zst(tmp_path / "c.jsonl.zst", recs)
+    parsed = [rec for _, rec in iter_jsonl_lines(tmp_path / "c.jsonl.zst", ("prompt_token_ids", "output_token_ids"))]
+    assert [sorted(r) for r in parsed[:2]] == [sorted(set(recs[0]) - {"prompt_token_ids", "output_token_ids"}),
+                                               sorted(set(tricky) - {"output_token_ids"})]
+    assert parsed[1]["content"] == tricky["content"]
+    validate_shard(tmp_path / "c.jsonl.zst", tmp_path / "v.jsonl.zst", tmp_path / "r.jsonl.zst", tmp_path / "q.json",
+                   {**CFG, "checks": {"text_after_tool_call": "flag"}})
+    kept = read_jsonl(tmp_path / "v.jsonl.zst")
+    assert [{k: v for k, v in r.items() if k != "qa"} for r in kept] == recs

@@ -1,0 +1,145 @@
+"""``dflash inspect``: records of any stage's shard, readable in a terminal or as JSON lines.
+
+Reads prompt, completion, validated and rejected shards (``.jsonl[.zst]``), tokenized shards
+(``.safetensors`` with their ``.json`` index beside) and hidden-state shards, local or ``s3://``.
+"""
+from __future__ import annotations
+
+import json
+import posixpath
+import shutil
+import textwrap
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Iterator
+
+from dflash.io import iter_jsonl, local_copy, read_json
+
+
+def _tensor_rows(path: Path, index_path: Path | None) -> Iterator[dict]:
+    """Rows of a tokenized or hidden-state shard, each sliced from the file as it is shown."""
+    from safetensors import safe_open
+
+    index = read_json(index_path)["rows"] if index_path else None
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        offsets = f.get_tensor("offsets").tolist()
+        names = set(f.keys())
+        for row, (a, b) in enumerate(zip(offsets, offsets[1:])):
+            rec = {"row": row, **(index[row] if index else {}), "input_ids": f.get_slice("input_ids")[a:b].tolist()}
+            if "loss_mask" in names:
+                rec["loss_mask"] = f.get_slice("loss_mask")[a:b].tolist()
+            if "hidden_states" in names:
+                h = f.get_slice("hidden_states")[a:b].float()
+                rec["hidden"] = {"shape": list(h.shape), "dtype": meta.get("dtype"),
+                                 "target_layer_ids": json.loads(meta.get("target_layer_ids", "[]")),
+                                 "rms_per_layer": [round(x, 4) for x in h.pow(2).mean(dim=(0, 2)).sqrt().tolist()]}
+            yield rec
+
+
+def read_records(path: str) -> Iterator[dict]:
+    """Every record of a shard; a tensor shard's rows with their index entries."""
+    with ExitStack() as stack:
+        local = stack.enter_context(local_copy(path))
+        if local.suffix != ".safetensors":
+            yield from iter_jsonl(local)
+            return
+        # The rows' index: beside a tokenized shard; a hidden-state shard has its tokenized shard's.
+        # posixpath, not Path: it keeps the "//" of s3:// URLs.
+        stem = str(path)[: -len(".safetensors")]
+        stage_dir = posixpath.dirname(posixpath.dirname(stem))
+        index_local = None
+        for index in (f"{stem}.json", posixpath.join(stage_dir, "tokenized", posixpath.basename(stem) + ".json")):
+            try:
+                index_local = stack.enter_context(local_copy(index))
+                break
+            except FileNotFoundError:
+                continue
+        yield from _tensor_rows(local, index_local)
+
+
+def matches(rec: dict, categories: list[str], reasons: list[str], flags: list[str], ids: list[str]) -> bool:
+    qa = rec.get("qa") or {}
+    return ((not categories or rec.get("category") in categories)
+            and (not reasons or bool(set(reasons) & set(qa.get("reasons", []))))
+            and (not flags or bool(set(flags) & set(qa.get("flags", []))))
+            and (not ids or rec.get("id") in ids or rec.get("prompt_id") in ids))
+
+
+def _block(title: str, text: str, limit: int | None) -> list[str]:
+    if limit and len(text) > limit:
+        cut = len(text) - limit
+        text = f"{text[: limit // 2]}\n[... {cut} characters left out; --full shows all ...]\n{text[-limit // 2:]}"
+    width = shutil.get_terminal_size((100, 24)).columns - 4
+    body = [wrapped for line in text.split("\n") for wrapped in (textwrap.wrap(line, width, replace_whitespace=False,
+                                                                               drop_whitespace=False) or [""])]
+    return [f"  {title}:"] + [f"    {line}" for line in body]
+
+
+def render(rec: dict, limit: int | None = 1200, tokenizer=None) -> str:
+    """One record as a few labelled blocks: header, prompt, reasoning, answer, calls, QA."""
+    qa = rec.get("qa") or {}
+    head = [rec.get("id", f"row {rec.get('row')}"), f"[{rec.get('category', '?')}]"]
+    if rec.get("source"):
+        head.append(rec["source"])
+    if rec.get("finish_reason"):
+        head.append(f"finish={rec['finish_reason']}")
+    if rec.get("usage"):
+        u = rec["usage"]
+        head.append(f"tokens={u['prompt_tokens']}+{u['completion_tokens']}" if u.get("prompt_tokens") is not None
+                    else f"output tokens={u.get('completion_tokens')}")
+    if qa.get("reasons"):
+        head.append("REJECTED: " + ", ".join(qa["reasons"]))
+    if qa.get("flags"):
+        head.append("flags: " + ", ".join(qa["flags"]))
+    lines = ["── " + "  ".join(head)]
+    if rec.get("tools"):
+        lines.append("  tools offered: " + ", ".join(t["function"]["name"] for t in rec["tools"]))
+    messages = rec.get("messages") or []
+    for m in messages[-2:] if "text" in rec else messages:  # a completion: the turn it answers
+        content = m.get("content") or ""
+        if m.get("tool_calls"):
+            content += "\n" + "\n".join(json.dumps(c.get("function", c), ensure_ascii=False) for c in m["tool_calls"])
+        lines += _block(m["role"], content, limit)
+    for step, r in enumerate((rec.get("meta") or {}).get("replay") or [], 1):
+        lines.append(f"  replay step {step}: " + ", ".join(c["name"] for c in r["calls"]))
+    if rec.get("reasoning") is not None:
+        lines += _block(f"reasoning ({len(rec['reasoning'])} chars)", rec["reasoning"], limit)
+    if "content" in rec:
+        lines += _block(f"answer ({len(rec['content'] or '')} chars)", rec["content"] or "", limit)
+    elif "text" in rec:
+        lines += _block("text", rec["text"], limit)
+    for call in qa.get("tool_calls") or []:
+        lines.append(f"  tool call: {call['name']}({json.dumps(call['arguments'], ensure_ascii=False)})")
+    for code, detail in (qa.get("details") or {}).items():
+        lines.append(f"  {code}: {detail}")
+    if "input_ids" in rec:
+        mask = rec.get("loss_mask")
+        lines.append(f"  tokens: {len(rec['input_ids'])}" + (f", trainable: {sum(mask)}" if mask else ""))
+        if tokenizer is not None and mask:
+            start = mask.index(1) if 1 in mask else len(mask)
+            lines += _block("prompt (loss 0)", tokenizer.decode(rec["input_ids"][:start]), limit)
+            lines += _block("output (loss 1)", tokenizer.decode(rec["input_ids"][start:]), limit)
+    if "hidden" in rec:
+        h = rec["hidden"]
+        lines.append(f"  hidden: shape {h['shape']} ({h['dtype']}), layers {h['target_layer_ids']}, "
+                     f"rms per layer {h['rms_per_layer']}")
+    return "\n".join(lines)
+
+
+def inspect(path: str, categories=(), reasons=(), flags=(), ids=(), limit: int = 10, as_json: bool = False,
+            full: bool = False, tokenizer=None, out=None) -> int:
+    """Print the matching records of a shard (at most ``limit``; 0 for all). Returns how many."""
+    import sys
+
+    out = out or sys.stdout
+    shown = 0
+    for rec in read_records(path):
+        if not matches(rec, list(categories), list(reasons), list(flags), list(ids)):
+            continue
+        out.write((json.dumps(rec, ensure_ascii=False) if as_json else render(rec, None if full else 1200, tokenizer))
+                  + "\n")
+        shown += 1
+        if limit and shown >= limit:
+            break
+    return shown

@@ -1,0 +1,98 @@
+"""``dflash inspect``: any stage's shard, local or on a real S3 server (moto), readable or JSON."""
+import json
+import socket
+
+import pytest
+
+from dflash.cli import main
+from dflash.io import read_jsonl, write_jsonl_zst
+from dflash.tokenize import tokenize_shard
+from dflash.validate import validate_shard
+from tests.test_tokenize import with_ids
+from tests.test_validate import CFG, GOOD, STORY_LOOP, answer, record, xml
+
+
+@pytest.fixture
+def shards(tmp_path):
+    recs = [GOOD, {**answer(xml(city="Paris", days="2")), "id": "call"}, {**STORY_LOOP, "id": "loop"},
+            record("\n\n</think>\nOK.", rid="ok", category="code")]
+    write_jsonl_zst(tmp_path / "completions.jsonl.zst", recs)
+    validate_shard(tmp_path / "completions.jsonl.zst", tmp_path / "validated.jsonl.zst",
+                   tmp_path / "rejected.jsonl.zst", tmp_path / "qa.json", CFG)
+    return tmp_path
+
+
+def inspect(capsys, *args):
+    rc = main(["inspect", *map(str, args)])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_readable_records_with_reasons_calls_and_details(shards, capsys):
+    rc, out, err = inspect(capsys, shards / "rejected.jsonl.zst", "--reason", "repetition_loop")
+    assert rc == 0 and err.strip() == "1 record(s) shown"
+    assert out.startswith("── loop  [chat]  finish=length  output tokens=10  REJECTED: finish_length, empty_answer, "
+                          "repetition_loop, stray_think")
+    assert "  repetition_loop: 400 x '<tool_call>\\n</think>' (2 lines in a row)" in out
+    assert "characters left out; --full shows all" in out
+    rc, out, _ = inspect(capsys, shards / "validated.jsonl.zst", "--category", "tool")
+    assert "tools offered: get_weather" in out and '  tool call: get_weather({"city": "Paris", "days": 2})' in out
+    assert "reasoning (" in out and "answer (" in out and "── r " not in out
+
+
+def test_filters_combine_and_json_is_the_whole_record(shards, capsys):
+    rc, out, _ = inspect(capsys, shards / "rejected.jsonl.zst", shards / "validated.jsonl.zst", "--json", "--limit", "0")
+    every = [json.loads(line) for line in out.splitlines()]
+    assert every == read_jsonl(shards / "rejected.jsonl.zst") + read_jsonl(shards / "validated.jsonl.zst")
+    _, out, _ = inspect(capsys, shards / "rejected.jsonl.zst", "--json", "--reason", "trivial", "--category", "code")
+    assert [json.loads(line)["id"] for line in out.splitlines()] == ["ok"]
+    _, out, _ = inspect(capsys, shards / "rejected.jsonl.zst", "--json", "--id", "loop", "--id", "ok")
+    assert [json.loads(line)["id"] for line in out.splitlines()] == ["loop", "ok"]
+    _, out, err = inspect(capsys, shards / "completions.jsonl.zst", "--limit", "1")
+    assert out.count("── ") == 1 and "(--limit 1)" in err
+
+
+def test_tokenized_rows_show_prompt_and_supervised_output(tmp_path, capsys, target, target_dir):
+    tok = target[1]
+    write_jsonl_zst(tmp_path / "v.jsonl.zst", [with_ids(tok, "a", "Two plus two is four.\n</think>\n\n4")])
+    tokenize_shard(tmp_path / "v.jsonl.zst", tmp_path / "t.safetensors", tmp_path / "t.json", tok, {"max_length": 4096})
+    rc, out, _ = inspect(capsys, tmp_path / "t.safetensors", "--target", target_dir)
+    assert rc == 0 and out.startswith("── a  [reasoning]")
+    prompt, output = out.split("  prompt (loss 0):")[1].split("  output (loss 1):")
+    assert "What is 2 + 2?" in prompt and "Two plus two is four." in output and "<|im_end|>" in output
+
+
+def test_bad_input_names_the_file(tmp_path, capsys):
+    (tmp_path / "broken.jsonl").write_text('{"id": "a"}\nnot json\n')
+    rc, _, err = inspect(capsys, tmp_path / "broken.jsonl")
+    assert rc == 1 and f"{tmp_path}/broken.jsonl:2: not valid JSON" in err
+    rc, _, err = inspect(capsys, tmp_path / "missing.jsonl.zst")
+    assert rc == 1 and "missing.jsonl.zst: no such file" in err
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """A real S3 API on localhost (moto's server), reached through boto3 like any endpoint."""
+    boto3 = pytest.importorskip("boto3")
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    for key, value in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+                       "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="drafter")
+    yield client
+    server.stop()
+
+
+def test_shards_in_s3(shards, s3, capsys):
+    s3.upload_file(str(shards / "rejected.jsonl.zst"), "drafter", "run1/rejected/shard-00000.jsonl.zst")
+    rc, out, _ = inspect(capsys, "s3://drafter/run1/rejected/shard-00000.jsonl.zst", "--json", "--limit", "0")
+    assert rc == 0 and [json.loads(line) for line in out.splitlines()] == read_jsonl(shards / "rejected.jsonl.zst")
+    rc, _, err = inspect(capsys, "s3://drafter/run1/rejected/shard-00009.jsonl.zst")
+    assert rc == 1 and "s3://drafter/run1/rejected/shard-00009.jsonl.zst: no such object" in err
