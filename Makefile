@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CORES ?= 2
 
-.PHONY: install demo test clean
+.PHONY: install demo test clean speculators-venv
 
 $(BIN)/dflash: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,4 +39,18 @@ test: install $(REFERENCE)/dflash/model.py $(VLLM_VENV)/.installed
 	DFLASH_REFERENCE_MODEL_PY=$(CURDIR)/$(REFERENCE)/dflash/model.py DFLASH_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/pytest -q
 
 clean:
-	rm -rf results .snakemake .cache $(VLLM_VENV)
+	rm -rf results .snakemake .cache $(VLLM_VENV) $(SPEC_VENV)
+
+# speculators 0.9.0 for bench/train_vs_speculators.py, in its own venv: it pins its own
+# transformers range, and importing it loads its whole package (these are what that needs).
+SPEC_VENV := .venv-speculators
+$(SPEC_VENV)/.installed:
+	rm -rf $(SPEC_VENV)
+	$(PYTHON) -m venv $(SPEC_VENV)
+	$(SPEC_VENV)/bin/pip install -q torch==2.13.0
+	$(SPEC_VENV)/bin/pip install -q --no-deps speculators==0.9.0
+	$(SPEC_VENV)/bin/pip install -q torch==2.13.0 transformers==5.23.0 safetensors pydantic pydantic-settings \
+		loguru openai "datasets<=5.1.0" hs-connectors==0.9.0 aiohttp httpx psutil
+	@touch $@
+
+speculators-venv: $(SPEC_VENV)/.installed

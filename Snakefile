@@ -23,6 +23,7 @@ validate(config, str(schema_path()), set_default=False)
 OUT = config["output_dir"]
 RUN = config["run"]
 TARGET = target_dir(config)
+ONLINE = config["train"]["hidden_states"] == "online"
 LAUNCH = config["generate"]["server"]["launch"]  # null: no serve jobs, the server is the user's
 LOGS = f"{OUT}/logs"
 BENCH = f"{OUT}/benchmarks"

@@ -55,7 +55,7 @@ def _hidden(cfg, a):
 def _train(cfg, a):
     from dflash.train import train
 
-    train(a.tokenized, a.hidden, a.target, a.out, drafter_train_cfg(cfg, a.target))
+    train(a.tokenized, a.hidden or None, a.target, a.out, drafter_train_cfg(cfg, a.target))
 
 
 def _eval(cfg, a):
@@ -90,6 +90,26 @@ def _inspect(a) -> int:
     return 0
 
 
+def _cache_size(cfg, a):
+    from dflash.hidden import cache_plan, human_bytes
+    from dflash.io import read_json
+    from dflash.workflow import target_dir
+
+    if a.tokens is None and not a.tokenized:
+        raise ValueError("give --tokens N (planned) or --tokenized results/tokenized/shard-*.json (measured)")
+    tokens = int(a.tokens) if a.tokens is not None else sum(read_json(p)["stats"]["tokens"] for p in a.tokenized)
+    plan = cache_plan(cfg, a.target or target_dir(cfg), tokens)
+    limit = cfg["hidden"]["max_cache_bytes"]
+    print(f"hidden-state cache: {plan['text']} ({plan['bytes']} bytes, dtype {plan['dtype']})")
+    if cfg["train"]["hidden_states"] == "online":
+        print("train.hidden_states is online: no cache is written")
+    elif limit is not None and plan["bytes"] > limit:
+        print(f"above hidden.max_cache_bytes ({human_bytes(limit)}): the gate will stop the run; "
+              "set train.hidden_states: online, or hidden.dtype: float8_e4m3fn")
+    else:
+        print(f"within hidden.max_cache_bytes ({human_bytes(limit) if limit is not None else 'no limit'})")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dflash",
@@ -121,12 +141,17 @@ def parser() -> argparse.ArgumentParser:
     stage("hidden", _hidden, "tokenized shard -> selected target layer features",
           ("--tokenized", path), target, ("--out", path))
     stage("train", _train, "tokenized + hidden shards -> drafter checkpoint folder",
-          ("--tokenized", paths), ("--hidden", paths), target, ("--out", path))
+          ("--tokenized", paths), ("--hidden", {"type": Path, "nargs": "*", "help": "none with train.hidden_states: online"}),
+          target, ("--out", path))
     stage("eval", _eval, "held-out prompts -> acceptance length per category (JSON)",
           ("--checkpoint", path), target, ("--heldout", path), ("--out", path))
     stage("report", _report, "stage outputs -> summary HTML + JSON",
           ("--manifest", path), ("--qa", paths), ("--tokenized", paths), ("--checkpoint", path),
           ("--eval", path), ("--html", path), ("--json", path))
+    stage("cache-size", _cache_size, "the hidden-state cache a run would write (tokens x layers x hidden x bytes)",
+          ("--tokens", {"type": float, "help": "planned token count (e.g. 1.64e9)"}),
+          ("--tokenized", {"type": Path, "nargs": "*", "help": "tokenized shard indexes (.json) to count"}),
+          ("--target", {"type": Path, "help": "target model folder (default: the config's)"}))
     inspect = sub.add_parser(
         "inspect", help="print records of any stage's shard (local or s3://), filtered",
         description="Print the records of prompt, completion, validated, rejected, tokenized or hidden-state "

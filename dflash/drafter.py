@@ -366,7 +366,12 @@ class DFlashDraftModel(nn.Module):
 
 def write_drafter(model: DFlashDraftModel, config: Qwen3Config, directory: Path) -> None:
     """Write ``config.json`` and ``model.safetensors`` into an existing directory."""
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    write_drafter_state(model.state_dict(), config, directory)
+
+
+def write_drafter_state(state: dict, config: Qwen3Config, directory: Path) -> None:
+    """``write_drafter`` from a state dict (what a wrapped or sharded model yields, gathered)."""
+    state = {k.removeprefix("module."): v.detach().cpu().contiguous() for k, v in state.items()}
     config.dtype = next(iter(state.values())).dtype
     config.save_pretrained(directory)
     save_file(state, Path(directory) / WEIGHTS_NAME, metadata={"format": "pt"})

@@ -99,8 +99,10 @@ def speculative_generate(target: PreTrainedModel, drafter: DFlashDraftModel | No
 def summarize(samples: list[dict]) -> dict:
     tokens = sum(s["tokens"] for s in samples)
     forwards = sum(s["target_forwards"] for s in samples)
-    return {"acceptance_length": tokens / forwards, "prompts": len(samples),
-            "target_forwards": forwards, "tokens": tokens}
+    # plain greedy decoding runs one target forward per new token
+    return {"acceptance_length": tokens / forwards, "prompts": len(samples), "target_forwards": forwards,
+            "tokens": tokens, "plain_forwards": tokens, "forwards_saved": tokens - forwards,
+            "forwards_saved_share": (tokens - forwards) / tokens if tokens else 0.0}
 
 
 def evaluate(target_dir: Path, drafter_dir: Path | None, prompts: list[dict], cfg: dict, tokenizer, *,

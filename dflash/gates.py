@@ -11,6 +11,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from dflash.hidden import human_bytes
 from dflash.io import read_json, write_json
 from dflash.validate import EXAMPLES_PER_REASON
 
@@ -96,13 +97,22 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
-def evaluate_gates(summary: dict, gates: dict) -> list[dict]:
-    """One verdict per configured gate: ``{gate, threshold, value, passed, message}``."""
+def evaluate_gates(summary: dict, gates: dict, cache: dict | None = None) -> list[dict]:
+    """One verdict per configured gate: ``{gate, threshold, value, passed, message}``. ``cache``
+    (the offline hidden-state cache: ``cache_plan`` plus ``max_bytes``) adds ``max_cache_bytes``."""
     verdicts = []
 
-    def verdict(gate: str, value: float, passed: bool, message: str) -> None:
-        verdicts.append({"gate": gate, "threshold": gates[gate], "value": value, "passed": passed,
-                         "message": f"gate {gate}: {message}"})
+    def verdict(gate: str, value: float, passed: bool, message: str, threshold=None) -> None:
+        verdicts.append({"gate": gate, "threshold": gates[gate] if threshold is None else threshold, "value": value,
+                         "passed": passed, "message": f"gate {gate}: {message}"})
+
+    if cache and cache["max_bytes"] is not None:
+        verdict("max_cache_bytes", cache["bytes"], cache["bytes"] <= cache["max_bytes"],
+                f"the hidden-state cache would take {cache['text']} (hidden.max_cache_bytes "
+                f"{human_bytes(cache['max_bytes'])})"
+                + ("" if cache["bytes"] <= cache["max_bytes"] else
+                   "; set train.hidden_states: online to run the target inside the trainer instead, "
+                   "or hidden.dtype: float8_e4m3fn to halve it"), threshold=cache["max_bytes"])
 
     if gates["max_reject_rate"] is not None:
         value = summary["reject_rate"]
@@ -126,9 +136,9 @@ def evaluate_gates(summary: dict, gates: dict) -> list[dict]:
     return verdicts
 
 
-def run_gates(summary_path: Path, out_path: Path, gates: dict) -> list[dict]:
+def run_gates(summary_path: Path, out_path: Path, gates: dict, cache: dict | None = None) -> list[dict]:
     """The gates' verdicts on the QA summary, written only when every gate passes."""
-    verdicts = evaluate_gates(read_json(summary_path), gates)
+    verdicts = evaluate_gates(read_json(summary_path), gates, cache)
     for v in verdicts:
         (log.info if v["passed"] else log.error)("%s: %s", "pass" if v["passed"] else "FAIL", v["message"])
     failed = [v["message"] for v in verdicts if not v["passed"]]

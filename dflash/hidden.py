@@ -73,7 +73,56 @@ def forward_features(model, input_ids: torch.Tensor, layer_ids: list[int], logit
     return lg, feats
 
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "float8_e4m3fn": torch.float8_e4m3fn}
+FP8_MAX = 448.0  # the largest float8_e4m3fn value
+
+
+def cache_bytes(tokens: int, num_layers: int, hidden_size: int, dtype: str) -> int:
+    """Bytes of a hidden-state cache: tokens x layers x hidden x bytes per value (fp8 adds one
+    float32 scale per token and layer)."""
+    per_value = torch.empty(0, dtype=DTYPES[dtype]).element_size()
+    scales = 4 * tokens * num_layers if dtype == "float8_e4m3fn" else 0
+    return tokens * num_layers * hidden_size * per_value + scales
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.1f} {unit}"
+        n /= 1000
+
+
+def cache_plan(config: dict, target_dir: str | Path, tokens: int) -> dict:
+    """The hidden-state cache a run would write: tokens, layers, hidden size, dtype, bytes."""
+    from transformers import AutoConfig
+
+    from dflash.workflow import layer_selection
+
+    text = AutoConfig.from_pretrained(target_dir).get_text_config()
+    layers = len(resolve_layer_ids(layer_selection(config["drafter"]), text.num_hidden_layers))
+    dtype = config["hidden"]["dtype"]
+    size = cache_bytes(tokens, layers, text.hidden_size, dtype)
+    return {"tokens": tokens, "layers": layers, "hidden_size": text.hidden_size, "dtype": dtype, "bytes": size,
+            "text": f"{tokens:.3g} tokens x {layers} layers x {text.hidden_size} x "
+                    f"{torch.empty(0, dtype=DTYPES[dtype]).element_size()} B"
+                    f"{' + scales' if dtype == 'float8_e4m3fn' else ''} = {human_bytes(size)}"}
+
+
+def to_fp8(feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 values, float32 scale per token and layer): each token's vector is scaled so its
+    largest magnitude is the largest fp8 value."""
+    scale = feats.float().abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    return (feats.float() / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
+
+
+def cached_features(handle, start: int, end: int) -> torch.Tensor:
+    """Rows ``start:end`` of an open hidden-state shard (safetensors ``safe_open``), dequantized
+    when stored as fp8."""
+    feats = handle.get_slice("hidden_states")[start:end]
+    if feats.dtype == torch.float8_e4m3fn:
+        return feats.float() * handle.get_slice("scales")[start:end].unsqueeze(-1)
+    return feats
 
 
 def resolve_layer_ids(layers: dict, num_target_layers: int) -> list[int]:
@@ -102,16 +151,23 @@ def capture_shard(tokenized_path: Path, out_path: Path, target_dir: Path, layers
     layer_ids = resolve_layer_ids(layers, model.config.num_hidden_layers)
     hidden_size = model.config.hidden_size
     out = torch.empty((len(input_ids), len(layer_ids), hidden_size), dtype=DTYPES[dtype])
+    fp8 = dtype == "float8_e4m3fn"
+    scales = torch.empty((len(input_ids), len(layer_ids)), dtype=torch.float32) if fp8 else None
     t0 = time.time()
     for r in progress(range(len(offsets) - 1), desc=f"hidden {Path(tokenized_path).stem}"):
         a, b = offsets[r].item(), offsets[r + 1].item()
         _, feats = forward_features(model, input_ids[a:b].long().unsqueeze(0), layer_ids, logits=False)
-        out[a:b] = feats[0].to(out.dtype)
+        if fp8:
+            out[a:b], scales[a:b] = to_fp8(feats[0])
+        else:
+            out[a:b] = feats[0].to(out.dtype)
     metadata = {"format": "dflash-hidden-v1", "target_layer_ids": json.dumps(list(layer_ids)),
                 "hidden_size": str(hidden_size), "dtype": dtype, "model": Path(target_dir).name}
+    tensors = {"hidden_states": out, "input_ids": input_ids, "offsets": offsets, **({"scales": scales} if fp8 else {})}
     with atomic_path(out_path) as tmp:
-        save_file({"hidden_states": out, "input_ids": input_ids, "offsets": offsets}, str(tmp), metadata=metadata)
+        save_file(tensors, str(tmp), metadata=metadata)
     summary = {"rows": len(offsets) - 1, "tokens": len(input_ids), "layers": list(layer_ids),
-               "bytes": out.numel() * out.element_size(), "seconds": round(time.time() - t0, 2)}
+               "bytes": sum(t.numel() * t.element_size() for k, t in tensors.items() if k in ("hidden_states", "scales")),
+               "seconds": round(time.time() - t0, 2)}
     log.info("hidden %s: %s", Path(tokenized_path).name, summary)
     return summary

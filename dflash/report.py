@@ -30,7 +30,7 @@ def summarize(config: dict, manifest: Path, qa_summary: Path, gates: Path, check
             "final_loss": train_log[-1]["loss"] if train_log else None,
             "curve": [[e["step"], e["loss"]] for e in train_log],
         },
-        "eval": {k: evaluation[k] for k in ("overall", "per_category") if k in evaluation},
+        "eval": {k: evaluation[k] for k in ("overall", "per_category", "untrained") if k in evaluation},
     }
 
 
@@ -81,21 +81,33 @@ def _check_rates(qa: dict) -> str:
     ])
 
 
-def _histogram_svg(title: str, bins: list[int], counts: list[int], width: int = 320, height: int = 160) -> str:
-    """Bars over fixed length bins (labelled by their lower edge)."""
-    pad, top = 28, max(counts) or 1
-    bar = (width - 2 * pad) / len(counts)
+def _bars_svg(title: str, labels: list, series: dict[str, list[float]], unit: str = "",
+              width: int = 320, height: int = 160) -> str:
+    """Grouped bars: one group per label, one bar per series (colours in order)."""
+    pad, colours = 28, ["#1f77b4", "#bbbbbb"]
+    top = max((v for values in series.values() for v in values), default=0) or 1
+    group = (width - 2 * pad) / max(1, len(labels))
+    bar = group / len(series)
     bars = "".join(
-        f'<rect x="{pad + i * bar:.1f}" y="{height - pad - (height - 2 * pad) * n / top:.1f}" width="{bar - 2:.1f}" '
-        f'height="{(height - 2 * pad) * n / top:.1f}" fill="#1f77b4"><title>{bins[i]}+: {n}</title></rect>'
-        for i, n in enumerate(counts))
-    labels = "".join(f'<text x="{pad + i * bar:.1f}" y="{height - pad + 12}" font-size="9">{bins[i]}</text>'
-                     for i in range(0, len(counts), 2))
+        f'<rect x="{pad + i * group + j * bar:.1f}" y="{height - pad - (height - 2 * pad) * v / top:.1f}" '
+        f'width="{bar - 2:.1f}" height="{(height - 2 * pad) * v / top:.1f}" fill="{colours[j % 2]}">'
+        f"<title>{html.escape(f'{name} {labels[i]}: {v:g}')}</title></rect>"
+        for j, (name, values) in enumerate(series.items()) for i, v in enumerate(values))
+    step = max(1, len(labels) // 8)
+    ticks = "".join(f'<text x="{pad + i * group:.1f}" y="{height - pad + 12}" font-size="9">'
+                    f"{html.escape(str(labels[i]))}</text>" for i in range(0, len(labels), step))
+    legend = "".join(f'<text x="{width - pad - 120}" y="{14 + 11 * (j + 1)}" font-size="9" fill="{colours[j % 2]}">'
+                     f"{html.escape(name)}</text>" for j, name in enumerate(series) if len(series) > 1)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">'
             f'<rect width="100%" height="100%" fill="white"/><text x="{pad}" y="14" font-size="12">'
-            f"{html.escape(title)}</text>{bars}{labels}"
-            f'<text x="{width - pad - 50}" y="{height - 4}" font-size="9">tokens</text>'
-            f'<text x="2" y="{pad}" font-size="9">{top}</text></svg>')
+            f"{html.escape(title)}</text>{bars}{ticks}{legend}"
+            f'<text x="{width - pad - 50}" y="{height - 4}" font-size="9">{html.escape(unit)}</text>'
+            f'<text x="2" y="{pad}" font-size="9">{top:g}</text></svg>')
+
+
+def _histogram_svg(title: str, bins: list[int], counts: list[int]) -> str:
+    """Counts over fixed length bins (labelled by their lower edge)."""
+    return _bars_svg(title, bins[:len(counts)], {"records": counts}, unit="tokens")
 
 
 def _example_html(code: str, ex: dict) -> str:
@@ -157,10 +169,23 @@ def render_html(s: dict) -> str:
     ])
     gates = _table(["gate", "threshold", "measured", "verdict"], [
         [g["gate"], g["threshold"], round(g["value"], 4), "pass" if g["passed"] else "FAIL"] for g in s["gates"]])
-    acceptance = _table(["category", "acceptance length", "prompts", "tokens", "target forwards"], [
-        [cat, f"{e['acceptance_length']:.3f}", e["prompts"], e["tokens"], e["target_forwards"]]
-        for cat, e in [*sorted(ev.get("per_category", {}).items()), ("overall", ev.get("overall", {}))] if e
-    ])
+    rows = [(cat, e) for cat, e in [*sorted(ev.get("per_category", {}).items()), ("overall", ev.get("overall", {}))]
+            if e]
+    untrained = ev.get("untrained", {})
+
+    def plain(cat: str) -> float | None:
+        e = untrained.get("overall") if cat == "overall" else untrained.get("per_category", {}).get(cat)
+        return (e or {}).get("acceptance_length")
+
+    acceptance = _table(["category", "acceptance length", "untrained drafter", "prompts", "tokens",
+                         "target forwards", "plain decoding forwards", "forwards saved"], [
+        [cat, f"{e['acceptance_length']:.3f}", f"{plain(cat):.3f}" if plain(cat) else "-", e["prompts"], e["tokens"],
+         e["target_forwards"], e.get("plain_forwards", e["tokens"]),
+         f"{e['tokens'] - e['target_forwards']} ({(e['tokens'] - e['target_forwards']) / max(1, e['tokens']):.1%})"]
+        for cat, e in rows
+    ]) + _bars_svg("acceptance length per category", [cat for cat, _ in rows],
+                   {"trained": [e["acceptance_length"] for _, e in rows],
+                    **({"untrained": [plain(cat) or 0 for cat, _ in rows]} if untrained else {})})
     loss = (f"<p>loss {tr['first_loss']:.3f} &rarr; {tr['final_loss']:.3f}</p>" if tr["curve"] else "") + _loss_svg(tr["curve"])
     return _page(f"dflash-pipeline run <code>{html.escape(s['run'])}</code>", f"""
 <h2>Counts per stage</h2>{stages}

@@ -33,22 +33,27 @@ training
     loss_decay_gamma: float | None = 7.0  position weight exp(-(k-1)/gamma); None = uniform
     seed: int = 0                         model init, row order and anchors
     log_every: int = 10                   steps per train_log.jsonl line
+    save_every: int = 200                 steps per resume point (0: none); a re-run resumes
+    parallel: str = "ddp"                 under torchrun (WORLD_SIZE > 1): "ddp" or "fsdp"
+    hidden_states: str = "offline"        "offline": read the cache; "online": run the target per row
     device: str = "auto"                  "auto" = cuda when available, else cpu
 
 Output directory (written under a temporary name, renamed when complete):
 ``config.json`` + ``model.safetensors`` (the drafter, reference layout), ``train_log.jsonl``
-(``step, loss, acc, lr, position_acc, tokens_per_s``, averaged since the previous line;
+(``step, loss, acc, lr, position_acc, expected_acceptance, tokens_per_s``, averaged since the previous line;
 ``position_acc[k-1]`` is the top-1 accuracy at block position k, null if none was supervised;
 ``tokens_per_s`` counts supervised block positions),
 ``trainer_state.json`` (``steps, first_loss, final_loss, seconds, cfg, data``).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+import shutil
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -59,8 +64,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config, write_drafter
-from dflash.io import atomic_dir
+from dflash.hidden import cached_features, forward_features
+from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config, write_drafter_state
+from dflash.io import atomic_dir, atomic_path
 from dflash.workflow import progress
 
 REQUIRED = object()
@@ -86,6 +92,9 @@ DEFAULTS: dict[str, Any] = {
     "loss_decay_gamma": 7.0,
     "seed": 0,
     "log_every": 10,
+    "save_every": 200,
+    "parallel": "ddp",
+    "hidden_states": "offline",
     "device": "auto",
 }
 ARCH_KEYS = ("num_layers", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "block_size",
@@ -128,19 +137,23 @@ class Row:
 
 
 class ShardData:
-    """Rows of the tokenized shards, with their hidden states read lazily per row."""
+    """Rows of the tokenized shards, with their hidden states read lazily per row from the cache,
+    or (``online``: the frozen target) computed per row when it is drawn."""
 
-    def __init__(self, tokenized: list[Path], hidden: list[Path], target_layer_ids: list[int],
-                 hidden_size: int, target_name: str, log: logging.Logger):
+    def __init__(self, tokenized: list[Path], hidden: list[Path] | None, target_layer_ids: list[int],
+                 hidden_size: int, target_name: str, log: logging.Logger, online: torch.nn.Module | None = None):
+        if hidden is None:
+            hidden = [None] * len(tokenized)
         if len(tokenized) != len(hidden):
             raise ValueError(f"{len(tokenized)} tokenized shards but {len(hidden)} hidden shards")
+        self.online, self.layer_ids = online, list(target_layer_ids)
         self._files = ExitStack()
         self.handles = []
         self.rows: list[Row] = []
         self.summary = {"shards": len(tokenized), "rows": 0, "tokens": 0,
                         "trainable_rows": 0, "trainable_tokens": 0, "supervised_tokens": 0}
         try:
-            for shard, (tok_path, hid_path) in enumerate(zip(map(Path, tokenized), map(Path, hidden))):
+            for shard, (tok_path, hid_path) in enumerate(zip(map(Path, tokenized), hidden)):
                 self._add_shard(shard, tok_path, hid_path, target_layer_ids, hidden_size, target_name, log)
         except BaseException:
             self.close()
@@ -156,24 +169,12 @@ class ShardData:
         if len(rows_meta) != len(offsets) - 1:
             raise ValueError(f"{meta_path}: {len(rows_meta)} rows listed, {tok_path} has {len(offsets) - 1}")
 
-        f = self._files.enter_context(safe_open(hid_path, framework="pt"))
-        meta = f.metadata() or {}
-        layer_ids = json.loads(meta.get("target_layer_ids", "null"))
-        if layer_ids != list(target_layer_ids):
-            raise ValueError(f"{hid_path}: hidden states of target layers {layer_ids}, "
-                             f"the drafter config wants {list(target_layer_ids)}")
-        if meta.get("model") not in (None, target_name):
-            log.warning("%s: hidden states from model %r, training against %r", hid_path, meta["model"], target_name)
-        shape = f.get_slice("hidden_states").get_shape()
-        if shape[1:] != [len(target_layer_ids), hidden_size]:
-            raise ValueError(f"{hid_path}: hidden_states shape {shape}, expected "
-                             f"[T, {len(target_layer_ids)}, {hidden_size}] for this target and drafter")
-        if not torch.equal(f.get_tensor("offsets").long(), offsets):
-            raise ValueError(f"{hid_path}: row offsets differ from {tok_path}")
         input_ids = tok["input_ids"].long()
-        if not torch.equal(f.get_tensor("input_ids").long(), input_ids) or shape[0] != len(input_ids):
-            raise ValueError(f"{hid_path}: input_ids differ from {tok_path}")
-        self.handles.append(f)
+        if hid_path is None:
+            self.handles.append(None)
+        else:
+            self.handles.append(self._open_cache(Path(hid_path), tok_path, offsets, input_ids, target_layer_ids,
+                                                 hidden_size, target_name, log))
 
         loss_mask = tok["loss_mask"].bool()
         for r, row_meta in enumerate(rows_meta):
@@ -188,8 +189,30 @@ class ShardData:
                 self.summary["trainable_tokens"] += end - start
                 self.summary["supervised_tokens"] += int(row.loss_mask.sum())
 
+    def _open_cache(self, hid_path, tok_path, offsets, input_ids, target_layer_ids, hidden_size, target_name, log):
+        f = self._files.enter_context(safe_open(hid_path, framework="pt"))
+        meta = f.metadata() or {}
+        layer_ids = json.loads(meta.get("target_layer_ids", "null"))
+        if layer_ids != list(target_layer_ids):
+            raise ValueError(f"{hid_path}: hidden states of target layers {layer_ids}, "
+                             f"the drafter config wants {list(target_layer_ids)}")
+        if meta.get("model") not in (None, target_name):
+            log.warning("%s: hidden states from model %r, training against %r", hid_path, meta["model"], target_name)
+        shape = f.get_slice("hidden_states").get_shape()
+        if shape[1:] != [len(target_layer_ids), hidden_size]:
+            raise ValueError(f"{hid_path}: hidden_states shape {shape}, expected "
+                             f"[T, {len(target_layer_ids)}, {hidden_size}] for this target and drafter")
+        if not torch.equal(f.get_tensor("offsets").long(), offsets):
+            raise ValueError(f"{hid_path}: row offsets differ from {tok_path}")
+        if not torch.equal(f.get_tensor("input_ids").long(), input_ids) or shape[0] != len(input_ids):
+            raise ValueError(f"{hid_path}: input_ids differ from {tok_path}")
+        return f
+
     def features(self, row: Row) -> torch.Tensor:
-        return self.handles[row.shard].get_slice("hidden_states")[row.start:row.end]
+        if self.online is not None:
+            device = next(self.online.parameters()).device
+            return forward_features(self.online, row.input_ids[None].to(device), self.layer_ids, logits=False)[1][0]
+        return cached_features(self.handles[row.shard], row.start, row.end)
 
     def close(self) -> None:
         self._files.close()
@@ -212,10 +235,26 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     return candidates[pick].sort().values
 
 
-def row_stream(num_rows: int, generator: torch.Generator) -> Iterator[int]:
-    """Row indices, epoch after epoch, each epoch in a fresh random order."""
-    while True:
-        yield from torch.randperm(num_rows, generator=generator).tolist()
+class RowOrder:
+    """Row indices, epoch after epoch, each epoch in a fresh random order. Its position is part of
+    a resume point, so a resumed run continues with exactly the rows it would have drawn."""
+
+    def __init__(self, num_rows: int, generator: torch.Generator):
+        self.num_rows, self.generator = num_rows, generator
+        self.order: list[int] = []
+        self.pos = 0
+
+    def __next__(self) -> int:
+        if self.pos == len(self.order):
+            self.order, self.pos = torch.randperm(self.num_rows, generator=self.generator).tolist(), 0
+        self.pos += 1
+        return self.order[self.pos - 1]
+
+    def state_dict(self) -> dict:
+        return {"order": self.order, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.order, self.pos = list(state["order"]), state["pos"]
 
 
 @dataclass
@@ -264,11 +303,12 @@ def make_batch(rows: list[Row], features: list[torch.Tensor], anchors: list[torc
                  context, torch.arange(T).repeat(R, 1), context_valid)
 
 
-def block_loss(model: DFlashDraftModel, io: TargetIO, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weighted CE, correct top-1 per block position [B], supervised count per position [B])."""
+def block_loss(model: torch.nn.Module, io: TargetIO, batch: Batch,
+               B: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weighted CE, correct top-1 per block position [B], supervised count per position [B]).
+    ``model`` may be wrapped (DDP, FSDP); ``B`` is its block size."""
     hidden = model(io.embed(batch.block_ids), batch.block_pos, batch.context, batch.context_pos, batch.context_valid)
     R, L = batch.block_ids.shape
-    B = model.block_size
     w = batch.weights.flatten()
     sel = w > 0  # anchors and padding never reach the (vocabulary-sized) lm_head
     logits = io.logits(hidden.flatten(0, 1)[sel]).float()
@@ -300,13 +340,127 @@ def make_optimizer(model: DFlashDraftModel, lr: float, weight_decay: float) -> t
 # Training loop
 # ---------------------------------------------------------------------------------------------
 
-def train(tokenized: list[Path], hidden: list[Path], target_dir: Path, out_dir: Path, cfg: dict,
+def resume_dir(out_dir: Path) -> Path:
+    """Where resume points live: beside the checkpoint, never inside it (a failed job's output is
+    deleted by Snakemake; this folder survives for the re-run)."""
+    return out_dir.parent / f".{out_dir.name}.resume"
+
+
+def run_fingerprint(cfg: dict, tokenized: list[Path], target_dir: Path) -> str:
+    """What a resume point must match: the settings that shape the weights and the data."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in cfg.items() if k not in ("device", "save_every", "parallel")},
+                                  sort_keys=True).encode())
+    h.update(Path(target_dir).name.encode())
+    for path in tokenized:
+        h.update(Path(path).with_suffix(".json").read_bytes())
+    return h.hexdigest()
+
+
+def newest_resume_point(directory: Path, fingerprint: str, log: logging.Logger) -> dict | None:
+    for path in sorted(directory.glob("step-*.pt"), reverse=True):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)  # written by us, below
+        except Exception as e:  # a torn file cannot be: it is renamed into place when complete
+            log.warning("%s: unreadable (%s), trying an older one", path, e)
+            continue
+        if state["fingerprint"] != fingerprint:
+            log.warning("%s: from other settings or data, starting from step 0", path)
+            return None
+        log.info("resuming from %s (step %d)", path, state["step"])
+        return state
+    return None
+
+
+def save_resume_point(directory: Path, state: dict, keep: int = 2) -> None:
+    with atomic_path(directory / f"step-{state['step']:08d}.pt") as tmp:
+        torch.save(state, tmp)
+    for old in sorted(directory.glob("step-*.pt"))[:-keep]:
+        old.unlink()
+
+
+class Distributed:
+    """torchrun's process group when WORLD_SIZE > 1 (DDP, or FSDP for drafters too big to
+    replicate); a no-op otherwise. Every rank draws the same rows and anchors from the same
+    generator and trains on its own slice, so rank 0's resume point serves every rank."""
+
+    def __init__(self, device: torch.device):
+        import os
+
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.device = device
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if device.type == "cuda":
+                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+                torch.cuda.set_device(self.device)
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+    def wrap(self, model: torch.nn.Module, parallel: str) -> torch.nn.Module:
+        if self.world == 1:
+            return model
+        if parallel == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.layers:
+                fully_shard(layer)
+            return fully_shard(model)
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def full_state(self, model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+        """Model and optimizer state as one process would hold them (gathered under FSDP)."""
+        if self.world == 1:
+            return model.state_dict(), optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_full_state(self, model: torch.nn.Module, optimizer, model_state: dict, optim_state: dict) -> None:
+        if self.world == 1:
+            model.load_state_dict(model_state)
+            optimizer.load_state_dict(optim_state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+
+    def sum(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            for t in tensors:
+                dist.all_reduce(t)
+        return list(tensors)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, out_dir: Path, cfg: dict,
           log: logging.Logger | None = None) -> dict:
-    """Train a drafter and write its checkpoint directory; returns a summary dict."""
+    """Train a drafter and write its checkpoint directory; returns a summary dict.
+
+    Every ``save_every`` steps a resume point (weights, optimizer, RNG and data position) is
+    written beside the output; a re-run with the same settings and data continues from the newest
+    one and ends with the weights an uninterrupted run would have."""
     log = log or logging.getLogger(__name__)
     cfg = resolve_cfg(cfg)
     target_dir, out_dir = Path(target_dir), Path(out_dir)
-    device = pick_device(cfg["device"])
+    dist = Distributed(pick_device(cfg["device"]))
+    device, main = dist.device, dist.rank == 0
     torch.manual_seed(cfg["seed"])
     generator = torch.Generator().manual_seed(cfg["seed"])
 
@@ -319,67 +473,154 @@ def train(tokenized: list[Path], hidden: list[Path], target_dir: Path, out_dir: 
     layer_ids = config.dflash_config["target_layer_ids"]
     model = DFlashDraftModel(config).to(device)
     io = TargetIO.from_pretrained(target_dir).to(device, torch.float32)
-    optimizer = make_optimizer(model, cfg["lr"], cfg["weight_decay"])
     B, steps = config.block_size, cfg["steps"]
-    log.info("drafter: %d layers, %.2fM trainable params, target layers %s, block %d",
-             config.num_hidden_layers, sum(p.numel() for p in model.parameters()) / 1e6, layer_ids, B)
+    log.info("drafter: %d layers, %.2fM trainable params, target layers %s, block %d, %d process(es)",
+             config.num_hidden_layers, sum(p.numel() for p in model.parameters()) / 1e6, layer_ids, B, dist.world)
+    model = dist.wrap(model, cfg["parallel"])
+    optimizer = make_optimizer(model, cfg["lr"], cfg["weight_decay"])
+    # bf16 matmuls on GPU; the weights, optimizer and loss stay fp32
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
     start = time.time()
-    first_loss = final_loss = float("nan")
-    with ShardData(tokenized, hidden, layer_ids, target_config.hidden_size, target_dir.name, log) as data, \
-            atomic_dir(out_dir) as tmp, open(tmp / "train_log.jsonl", "w") as log_file:
+    resume = resume_dir(out_dir)
+    fingerprint = run_fingerprint(cfg, tokenized, target_dir)
+    online = None
+    if cfg["hidden_states"] == "online":  # the frozen target computes each drawn row's features
+        from dflash.target import load_target
+
+        online = load_target(target_dir, torch.bfloat16 if device.type == "cuda" else torch.float32)[0].to(device)
+        online.requires_grad_(False)
+        hidden = None
+    with ShardData(tokenized, hidden, layer_ids, target_config.hidden_size, target_dir.name, log, online) as data, \
+            ExitStack() as outputs:
         log.info("data: %s", data.summary)
-        rows = row_stream(len(data.rows), generator)
-        window = {"loss": 0.0, "steps": 0, "correct": torch.zeros(B), "count": torch.zeros(B), "t0": time.time()}
-        for step in progress(range(steps), desc="train drafter"):
-            batch_rows = [data.rows[next(rows)] for _ in range(cfg["batch_size"])]
+        rows = RowOrder(len(data.rows), generator)
+        first_loss = final_loss = float("nan")
+        log_lines: list[str] = []
+        window = new_window(B)
+        step0 = 0
+        state = newest_resume_point(resume, fingerprint, log) if resume.exists() else None
+        if state:
+            dist.load_full_state(model, optimizer, state["model"], state["optimizer"])
+            generator.set_state(state["generator"])
+            torch.set_rng_state(state["torch_rng"])
+            rows.load_state_dict(state["rows"])
+            step0, first_loss, final_loss = state["step"], state["first_loss"], state["final_loss"]
+            log_lines, window = state["log_lines"], {**state["window"], "t0": time.time()}
+        if main:
+            tmp = outputs.enter_context(atomic_dir(out_dir))
+            log_file = outputs.enter_context(open(tmp / "train_log.jsonl", "w"))
+            log_file.writelines(log_lines)
+        per_rank = cfg["batch_size"]
+        for step in progress(range(step0, steps), desc="train drafter", initial=step0, total=steps, disable=not main):
+            # all ranks draw the whole global batch, so their generators stay equal; each trains its slice
+            batch_rows = [data.rows[next(rows)] for _ in range(per_rank * dist.world)]
             anchors = [sample_anchors(r.loss_mask, cfg["num_anchors"], generator) for r in batch_rows]
-            batch = make_batch(batch_rows, [data.features(r) for r in batch_rows], anchors, B,
+            mine = slice(dist.rank * per_rank, (dist.rank + 1) * per_rank)
+            batch = make_batch(batch_rows[mine], [data.features(r) for r in batch_rows[mine]], anchors[mine], B,
                                config.dflash_config["mask_token_id"], cfg["loss_decay_gamma"]).to(device)
             lr = lr_at(step, steps, cfg["lr"], cfg["warmup_ratio"], cfg["min_lr_ratio"])
             for group in optimizer.param_groups:
                 group["lr"] = lr
 
-            loss, correct, count = block_loss(model, io, batch)
+            with autocast:
+                loss, correct, count = block_loss(model, io, batch, B)
             loss.backward()
             if cfg["grad_clip"]:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
+            loss_sum, correct, count = dist.sum(loss.detach().float().reshape(1), correct, count)
+            mean_loss = loss_sum.item() / dist.world
             if step == 0:
-                first_loss = loss.item()
-            window["loss"] += loss.item()
+                first_loss = mean_loss
+            window["loss"] += mean_loss
             window["steps"] += 1
             window["correct"] += correct.cpu()
             window["count"] += count.cpu()
             if (step + 1) % cfg["log_every"] == 0 or step + 1 == steps:
                 final_loss = window["loss"] / window["steps"]
                 record = log_record(step + 1, final_loss, lr, window)
-                log_file.write(json.dumps(record) + "\n")
-                log_file.flush()
-                log.info("step %d loss %.4f acc %.3f lr %.2e", step + 1, final_loss, record["acc"], lr)
-                window = {"loss": 0.0, "steps": 0, "correct": torch.zeros(B), "count": torch.zeros(B),
-                          "t0": time.time()}
+                log_lines.append(json.dumps(record) + "\n")
+                if main:
+                    log_file.write(log_lines[-1])
+                    log_file.flush()
+                    log.info("step %d loss %.4f acc %.3f expected acceptance %.2f lr %.2e", step + 1, final_loss,
+                             record["acc"], record["expected_acceptance"], lr)
+                window = new_window(B)
+            if cfg["save_every"] and (step + 1) % cfg["save_every"] == 0 and step + 1 < steps:
+                model_state, optim_state = dist.full_state(model, optimizer)
+                if main:
+                    save_resume_point(resume, {
+                        "fingerprint": fingerprint, "step": step + 1, "model": model_state, "optimizer": optim_state,
+                        "generator": generator.get_state(), "torch_rng": torch.get_rng_state(),
+                        "rows": rows.state_dict(), "first_loss": first_loss, "final_loss": final_loss,
+                        "log_lines": log_lines, "window": {k: v for k, v in window.items() if k != "t0"}})
+                dist.barrier()
 
-        write_drafter(model, config, tmp)
+        model_state, _ = dist.full_state(model, optimizer)
         seconds = time.time() - start
-        state = {"steps": steps, "first_loss": first_loss, "final_loss": final_loss, "seconds": seconds,
-                 "cfg": cfg, "data": data.summary}
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
-
+        if main:
+            write_drafter_state(model_state, config, tmp)
+            state = {"steps": steps, "first_loss": first_loss, "final_loss": final_loss, "seconds": seconds,
+                     "resumed_from_step": step0, "processes": dist.world, "cfg": cfg, "data": data.summary}
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+    if main and resume.exists():
+        shutil.rmtree(resume)  # the checkpoint is in place: nothing left to resume
+    dist.barrier()
+    dist.close()
     return {"steps": steps, "final_loss": final_loss, "first_loss": first_loss,
             "rows": data.summary["trainable_rows"], "tokens": data.summary["trainable_tokens"],
-            "seconds": seconds}
+            "seconds": seconds, "resumed_from_step": step0}
+
+
+def new_window(block_size: int) -> dict:
+    """Running sums between two train_log lines."""
+    return {"loss": 0.0, "steps": 0, "correct": torch.zeros(block_size), "count": torch.zeros(block_size),
+            "t0": time.time()}
+
+
+def expected_acceptance(position_acc: list[float | None]) -> float:
+    """Tokens per target forward if the block positions were accepted independently with these
+    accuracies: 1 (the target's own token) + sum over k of acc_1 x ... x acc_k."""
+    total, run = 1.0, 1.0
+    for acc in position_acc:
+        run *= acc or 0.0
+        total += run
+    return total
 
 
 def log_record(step: int, loss: float, lr: float, window: dict) -> dict:
     correct, count = window["correct"][1:], window["count"][1:]
+    position_acc = [(c / n).item() if n > 0 else None for c, n in zip(correct, count)]
     return {
         "step": step,
         "loss": loss,
         "acc": (correct.sum() / count.sum().clamp(min=1)).item(),
         "lr": lr,
-        "position_acc": [(c / n).item() if n > 0 else None for c, n in zip(correct, count)],
+        "position_acc": position_acc,
+        "expected_acceptance": expected_acceptance(position_acc),
         "tokens_per_s": count.sum().item() / max(time.time() - window["t0"], 1e-9),
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of each torchrun process (the train rule starts ``train.gpus`` of them)."""
+    import argparse
+
+    from dflash.workflow import setup_logging
+
+    ap = argparse.ArgumentParser(description="one process of a multi-GPU drafter training (torchrun)")
+    ap.add_argument("--cfg", required=True, help="the trainer's settings as JSON")
+    ap.add_argument("--tokenized", nargs="+", type=Path, required=True)
+    ap.add_argument("--hidden", nargs="*", type=Path, help="hidden-state shards (none with hidden_states: online)")
+    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+    setup_logging()
+    train(a.tokenized, a.hidden, a.target, a.out, json.loads(a.cfg), logging.getLogger("dflash.train"))
+
+
+if __name__ == "__main__":
+    main()

@@ -82,7 +82,8 @@ def drafter_train_cfg(config: dict, target: str | Path) -> dict:
         if mask_id is None or mask_id == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(mask_id) != token:
             raise ValueError(f"drafter.mask_token {token!r} is not a token of {target}; set drafter.mask_token_id")
         drafter["mask_token_id"] = mask_id
-    return {**drafter, **config["train"]}
+    train = {k: v for k, v in config["train"].items() if k != "gpus"}  # how many processes: the launcher's business
+    return {**drafter, **train}
 
 
 def record_settings(cfg: dict) -> dict:

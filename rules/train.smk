@@ -2,7 +2,8 @@ rule train:
     """The DFlash drafter, trained on the cached hidden states of every shard."""
     input:
         tokenized=per_shard(f"{OUT}/tokenized/shard-{{shard}}.safetensors"),
-        hidden=per_shard(f"{OUT}/hidden/shard-{{shard}}.safetensors"),
+        # online: the trainer runs the target itself, no cache to extract
+        hidden=per_shard(f"{OUT}/hidden/shard-{{shard}}.safetensors") if not ONLINE else [],
         target=TARGET,
         gates=ancient(f"{OUT}/qa/gates.json"),
     output:
@@ -12,7 +13,7 @@ rule train:
         train=config["train"],
     threads: 8  # capped at --cores; a fixed number keeps `snakemake --report` (no --cores) working
     resources:
-        gpu=1,
+        gpu=config["train"]["gpus"],
     log:
         f"{LOGS}/train/{{run}}.log",
     benchmark:

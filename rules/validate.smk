@@ -39,11 +39,14 @@ rule gate:
     """Quality gates over the QA summary. The verdicts appear only when every gate passes;
     hidden-state and training jobs need them, so a failed gate stops them all."""
     input:
-        f"{OUT}/qa/summary.json",
+        summary=f"{OUT}/qa/summary.json",
+        target=TARGET,  # its size, for the hidden-state cache estimate
     output:
         f"{OUT}/qa/gates.json",
     params:
         gates=config["gates"],
+        cache={"mode": config["train"]["hidden_states"], "max_bytes": config["hidden"]["max_cache_bytes"],
+               "dtype": config["hidden"]["dtype"]},
     log:
         f"{LOGS}/gate.log",
     conda:

@@ -1,8 +1,20 @@
+import json
+import subprocess
+import sys
+
 from dflash.workflow import drafter_train_cfg, start_job
 
 start_job(snakemake)
 
 from dflash.train import train  # noqa: E402
 
-cfg = drafter_train_cfg({"drafter": snakemake.params.drafter, "train": snakemake.params.train}, snakemake.input.target)
-train(list(snakemake.input.tokenized), list(snakemake.input.hidden), snakemake.input.target, snakemake.output[0], cfg)
+i = snakemake.input
+cfg = drafter_train_cfg({"drafter": snakemake.params.drafter, "train": snakemake.params.train}, i.target)
+gpus = snakemake.params.train["gpus"]
+if gpus == 1:
+    train(list(i.tokenized), list(i.hidden) or None, i.target, snakemake.output[0], cfg)
+else:  # one process per GPU, data-parallel; their output goes to this job's log
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+                    "-m", "dflash.train", "--cfg", json.dumps(cfg), "--tokenized", *i.tokenized,
+                    "--hidden", *i.hidden, "--target", i.target, "--out", snakemake.output[0]],
+                   stdout=sys.stderr, stderr=sys.stderr, check=True)

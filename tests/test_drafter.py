@@ -178,8 +178,22 @@ def reference():
     return module
 
 
+def logit_diff(ours: torch.Tensor, theirs: torch.Tensor, record_property) -> float:
+    """Max abs difference of the draft logits (both hidden outputs through one random lm_head of
+    the target's shape), reported in the test output and the JUnit properties.
+
+    Tolerance 1e-4: both run the same fp32 math in another order (one attention over context and
+    block versus a concatenation, other reductions), which moves results by a few ulps of values
+    around 1 (~1e-6); a wrong mask, position or norm moves logits by 1e-2 and more."""
+    head = torch.randn(256, H, generator=torch.Generator().manual_seed(5)) * H ** -0.5
+    diff = (ours @ head.T - theirs @ head.T).abs().max().item()
+    print(f"max abs diff of draft logits, ours vs reference DFlashDraftModel: {diff:.2e}")
+    record_property("max_abs_logit_diff", diff)
+    return diff
+
+
 @pytest.mark.parametrize("layer_types", [None, ["sliding_attention", "full_attention"]])
-def test_reference_loads_checkpoint_with_identical_outputs(reference, tmp_path, layer_types):
+def test_reference_loads_checkpoint_with_identical_outputs(reference, tmp_path, layer_types, record_property):
     model = draft(layer_types, sliding_window=6)
     save_drafter(model, model.config, tmp_path / "ckpt")
     ref, info = reference.DFlashDraftModel.from_pretrained(tmp_path / "ckpt", output_loading_info=True)
@@ -192,10 +206,10 @@ def test_reference_loads_checkpoint_with_identical_outputs(reference, tmp_path, 
         ours = model(block, block_pos, ctx, ctx_pos)
         theirs = ref.eval()(position_ids=torch.cat([ctx_pos, block_pos], 1), noise_embedding=block,
                             target_hidden=ctx.flatten(2))
-    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    assert logit_diff(ours, theirs, record_property) < 1e-4
 
 
-def test_reference_agrees_on_training_layout(reference, tmp_path):
+def test_reference_agrees_on_training_layout(reference, tmp_path, record_property):
     """Several blocks per row with our mask passed to the reference, as SpecForge trains it."""
     model = draft()
     save_drafter(model, model.config, tmp_path / "ckpt")
@@ -209,4 +223,4 @@ def test_reference_agrees_on_training_layout(reference, tmp_path):
         ours = model(blocks, block_pos, ctx, ctx_pos)
         theirs = ref(position_ids=torch.cat([ctx_pos, block_pos], 1), attention_mask=mask, noise_embedding=blocks,
                      target_hidden=ctx.flatten(2))
-    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    assert logit_diff(ours, theirs, record_property) < 1e-4

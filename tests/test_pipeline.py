@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
@@ -158,6 +159,16 @@ def test_only_settings_that_shape_the_records_rerun_generation(pipeline):
     assert {s for rule, s in jobs if rule == "generate"} == {"00000", "00001", "00002"}
 
 
+def test_online_hidden_states_plan_no_cache(pipeline):
+    work, _ = pipeline
+    config = yaml.safe_load((work / "config.yaml").read_text())
+    config["train"]["hidden_states"] = "online"
+    other = work / "online.yaml"
+    other.write_text(yaml.safe_dump(config))
+    jobs = planned_jobs(snakemake(work, "-n", "--forceall", "--configfile", str(other)))
+    assert ("train", None) in jobs and not [j for j in jobs if j[0] == "hidden"]
+
+
 def test_excluded_ids_rerun_only_the_shards_holding_them(pipeline, tmp_path):
     work, _ = pipeline
     shard_of = dict(line.split("\t") for line in (work / "results/prompts/ids.tsv").read_text().splitlines())
@@ -205,3 +216,48 @@ def test_changing_one_prompt_shard_reruns_only_that_shard(pipeline):
     # the gate sees the changed QA; the other shards keep their hidden states (the gate is ancient() there)
     assert {rule for rule, s in jobs if s is None} == {"qa_summary", "gate", "qa_report", "train", "eval", "report",
                                                        "all"}
+
+
+def test_killed_training_resumes_to_the_same_weights(pipeline, tmp_path):
+    """SIGKILL to the whole run (a preempted node) after a resume point; the re-run of the rule
+    continues from it and ends with the weights of a run that was never interrupted."""
+    import os
+    import signal
+    import time
+
+    from safetensors.torch import load_file
+
+    runs = {}
+    for name in ("whole", "killed"):
+        work = tmp_path / name
+        shutil.copytree(pipeline[0], work, symlinks=True)
+        config = yaml.safe_load((work / "config.yaml").read_text())
+        config["train"].update(steps=200, save_every=20, log_every=10)
+        (work / "config.yaml").write_text(yaml.safe_dump(config))
+        runs[name] = work
+    snakemake(runs["whole"], "--cores", "2", "results/checkpoints/demo")
+
+    work = runs["killed"]
+    resume = work / "results" / "checkpoints" / ".demo.resume"
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "-d", str(work),
+           "--configfile", str(work / "config.yaml"), "--cores", "2", "results/checkpoints/demo"]
+    run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while not list(resume.glob("step-*.pt")) and time.time() < deadline and run.poll() is None:
+        time.sleep(0.02)
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait()
+    points = sorted(p.name for p in resume.glob("step-*.pt"))
+    assert points and not (work / "results" / "checkpoints" / "demo").exists(), points
+    snakemake(work, "--unlock")  # the killed run's lock
+    out = snakemake(work, "--cores", "2", "--rerun-incomplete", "results/checkpoints/demo")
+    log = (work / "results" / "logs" / "train" / "demo.log").read_text()
+    assert f"resuming from results/checkpoints/.demo.resume/{points[-1]}" in log, out
+    assert not resume.exists()  # finished: nothing left to resume
+    state = json.loads((work / "results" / "checkpoints" / "demo" / "trainer_state.json").read_text())
+    assert state["resumed_from_step"] == int(points[-1][5:13]) > 0
+    whole = load_file(runs["whole"] / "results" / "checkpoints" / "demo" / "model.safetensors")
+    resumed = load_file(work / "results" / "checkpoints" / "demo" / "model.safetensors")
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
+    lines = lambda w: (w / "results/checkpoints/demo/train_log.jsonl").read_text().splitlines()  # noqa: E731
+    assert [json.loads(x)["loss"] for x in lines(work)] == [json.loads(x)["loss"] for x in lines(runs["whole"])]

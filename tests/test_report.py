@@ -74,7 +74,8 @@ def test_report_aggregates_every_stage(qa_summary, tmp_path):
     (ckpt / "train_log.jsonl").write_text("".join(json.dumps({"step": s, "loss": l}) + "\n" for s, l in [(10, 6.0), (20, 4.5)]))
     ev = tmp_path / "eval.json"
     summary = {"acceptance_length": 1.5, "prompts": 1, "tokens": 9, "target_forwards": 6}
-    write_json(ev, {"overall": summary, "per_category": {"chat": summary}})
+    write_json(ev, {"overall": summary, "per_category": {"chat": summary},
+                    "untrained": {"overall": {**summary, "acceptance_length": 1.1}, "per_category": {}}})
     s = write_report({"run": "r1"}, tmp_path / "manifest.json", qa_summary, tmp_path / "gates.json", ckpt, ev,
                      tmp_path / "s.html", tmp_path / "s.json")
     assert s["validate"]["records"] == 6 and s["validate"]["kept"] == 3 and s["validate"]["reject_rate"] == 0.5
@@ -86,4 +87,15 @@ def test_report_aggregates_every_stage(qa_summary, tmp_path):
     page = (tmp_path / "s.html").read_text()
     assert "<polyline" in page and "1.500" in page and "6.000 &rarr; 4.500" in page and "r1" in page
     assert "<td>max_reject_rate</td><td>0.5</td><td>0.5</td><td>pass</td>" in page
+    assert "<td>overall</td><td>1.500</td><td>1.100</td><td>1</td><td>9</td><td>6</td><td>9</td><td>3 (33.3%)</td>" in page
+    assert "acceptance length per category" in page
     assert json.loads((tmp_path / "s.json").read_text()) == s
+
+
+def test_cache_gate_suggests_online_mode(qa_summary, tmp_path):
+    cache = {"tokens": 1640000000, "bytes": 83968000000000, "max_bytes": 20000000000000,
+             "text": "1.64e+09 tokens x 5 layers x 5120 x 2 B = 84.0 TB"}
+    with pytest.raises(GateError, match=r"gate max_cache_bytes: the hidden-state cache would take 1.64e\+09 tokens .* = "
+                                        r"84.0 TB \(hidden.max_cache_bytes 20.0 TB\); set train.hidden_states: online"):
+        run_gates(qa_summary, tmp_path / "gates.json", GATES, cache)
+    assert run_gates(qa_summary, tmp_path / "gates.json", GATES, {**cache, "max_bytes": None})

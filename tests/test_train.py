@@ -14,6 +14,7 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from dflash.drafter import TargetIO, load_drafter
 from dflash.hidden import forward_features
 from dflash.train import Row, anchor_candidates, lr_at, make_batch, resolve_cfg, sample_anchors, train
+from tests.test_drafter import reference  # noqa: F401 (fixture)
 
 
 LAYER_IDS = [1, 3]
@@ -42,7 +43,8 @@ def make_target(path: Path, seed: int = 0, eos_token_id: int | None = None) -> P
     return path
 
 
-def write_shards(target, out: Path, rows: list[tuple[list[int], list[int]]], layer_ids: list[int]) -> tuple[Path, Path]:
+def write_shards(target, out: Path, rows: list[tuple[list[int], list[int]]], layer_ids: list[int],
+                 dtype: torch.dtype = torch.bfloat16) -> tuple[Path, Path]:
     """Tokenized + hidden shards in the pipeline's formats for rows of (input_ids, loss_mask)."""
     (out / "tokenized").mkdir(parents=True, exist_ok=True)
     (out / "hidden").mkdir(parents=True, exist_ok=True)
@@ -55,7 +57,7 @@ def write_shards(target, out: Path, rows: list[tuple[list[int], list[int]]], lay
                  for i, (r, m) in enumerate(rows)]
     tok_path.with_suffix(".json").write_text(json.dumps({"rows": meta_rows}))
     feats = [forward_features(target, torch.tensor([r]), layer_ids, logits=False)[1][0] for r, _ in rows]
-    save_file({"hidden_states": torch.cat(feats).to(torch.bfloat16), "offsets": offsets, "input_ids": ids},
+    save_file({"hidden_states": torch.cat(feats).to(dtype), "offsets": offsets, "input_ids": ids},
               hid_path, metadata={"target_layer_ids": json.dumps(layer_ids), "hidden_size": "64", "model": "target"})
     return tok_path, hid_path
 
@@ -153,7 +155,9 @@ def test_train_overfits_and_writes_checkpoint(tiny_target_dir, shards, tmp_path)
 
     lines = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(10, 151, 10))
-    assert set(lines[0]) == {"step", "loss", "acc", "lr", "position_acc", "tokens_per_s"}
+    assert set(lines[0]) == {"step", "loss", "acc", "lr", "position_acc", "expected_acceptance", "tokens_per_s"}
+    acc = lines[-1]["position_acc"]
+    assert lines[-1]["expected_acceptance"] == pytest.approx(1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2])
     assert len(lines[-1]["position_acc"]) == 3 and lines[-1]["acc"] > 0.9 > lines[0]["acc"]
     assert lines[-1]["loss"] == pytest.approx(summary["final_loss"])
     state = json.loads((out / "trainer_state.json").read_text())
@@ -197,3 +201,34 @@ def test_mismatched_shards_are_named(tiny_target_dir, shards, tmp_path):
     with pytest.raises(ValueError, match="target_layer_ids"):
         train([tok], [hid], tiny_target_dir, tmp_path / "out", {**cfg, "target_layer_ids": None})  # 4 layers, 2 drafts
     assert not (tmp_path / "out").exists()
+
+
+def test_online_hidden_states_train_like_a_float32_cache(tiny_target_dir, tmp_path):
+    """online runs the frozen target per drawn row: the same features as a float32 cache."""
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+    g = torch.Generator().manual_seed(2)
+    rows = [(torch.randint(8, 256, (n,), generator=g).tolist(), [0] * 8 + [1] * (n - 8)) for n in (30, 26, 34)]
+    tok, hid = write_shards(target, tmp_path / "data", rows, LAYER_IDS, torch.float32)
+    cfg = {**TRAIN_CFG, "steps": 6, "log_every": 3}
+    train([tok], [hid], tiny_target_dir, tmp_path / "offline", cfg)
+    train([tok], None, tiny_target_dir, tmp_path / "online", {**cfg, "hidden_states": "online"})
+    a, b = load_file(tmp_path / "offline" / "model.safetensors"), load_file(tmp_path / "online" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+def test_trained_checkpoint_gives_the_reference_its_draft_logits(reference, tiny_target_dir, shards, tmp_path,
+                                                                  record_property):
+    """What the trainer writes loads in the reference DFlashDraftModel (PyPI dflash 0.1.0) with
+    no missing or unexpected key, and drafts the same logits through the target's own head."""
+    from tests.test_drafter import inputs, logit_diff
+
+    train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "ckpt", {**TRAIN_CFG, "steps": 6})
+    ref, info = reference.DFlashDraftModel.from_pretrained(tmp_path / "ckpt", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    ours, _ = load_drafter(tmp_path / "ckpt")
+    block, block_pos, ctx, ctx_pos = inputs(S=10)
+    with torch.no_grad():
+        a = ours.eval()(block, block_pos, ctx, ctx_pos)
+        b = ref.eval()(position_ids=torch.cat([ctx_pos, block_pos], 1), noise_embedding=block,
+                       target_hidden=ctx.flatten(2))
+    assert logit_diff(a, b, record_property) < 1e-4

@@ -1,0 +1,69 @@
+"""Data-parallel training under torchrun on CPU (gloo): DDP and FSDP, and a resume after SIGKILL."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash.drafter import load_drafter
+from tests.test_train import TRAIN_CFG, shards, tiny_target_dir  # noqa: F401 (fixtures)
+
+
+def torchrun(shards, target, out, cfg, wait=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dflash.train",
+           "--cfg", json.dumps(cfg), "--tokenized", str(shards[0]), "--hidden", str(shards[1]),
+           "--target", str(target), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if not wait:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout + run.stderr
+
+
+def weights(path):
+    return load_file(path / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_train_the_same_drafter(tiny_target_dir, shards, tmp_path):  # noqa: F811
+    cfg = {**TRAIN_CFG, "steps": 20, "log_every": 5}
+    for parallel in ("ddp", "fsdp"):
+        out = torchrun(shards, tiny_target_dir, tmp_path / parallel, {**cfg, "parallel": parallel})
+        assert "2 process(es)" in out
+        state = json.loads((tmp_path / parallel / "trainer_state.json").read_text())
+        assert state["processes"] == 2 and state["final_loss"] < state["first_loss"]
+        load_drafter(tmp_path / parallel)  # a complete checkpoint in the reference layout
+    ddp, fsdp = weights(tmp_path / "ddp"), weights(tmp_path / "fsdp")
+    assert ddp.keys() == fsdp.keys()
+    assert max((ddp[k] - fsdp[k]).abs().max().item() for k in ddp) < 1e-5
+
+
+@pytest.mark.slow
+def test_killed_ddp_run_resumes_to_the_same_weights(tiny_target_dir, shards, tmp_path):  # noqa: F811
+    cfg = {**TRAIN_CFG, "steps": 600, "log_every": 50, "save_every": 50}
+    torchrun(shards, tiny_target_dir, tmp_path / "whole", cfg)
+    resume = tmp_path / ".killed.resume"
+    run = torchrun(shards, tiny_target_dir, tmp_path / "killed", cfg, wait=False)
+    deadline = time.time() + 300
+    while not list(resume.glob("step-*.pt")) and run.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    # torchrun starts its workers in sessions of their own: kill each (a preempted node loses all)
+    os.killpg(run.pid, signal.SIGKILL)
+    subprocess.run(["pkill", "-KILL", "-f", str(tmp_path / "killed")])
+    run.wait()
+    while subprocess.run(["pgrep", "-f", str(tmp_path / "killed")], capture_output=True).returncode == 0:
+        time.sleep(0.1)
+    assert list(resume.glob("step-*.pt")) and not (tmp_path / "killed").exists()
+    out = torchrun(shards, tiny_target_dir, tmp_path / "killed", cfg)
+    assert "resuming from" in out and not resume.exists(), out
+    whole, resumed = weights(tmp_path / "whole"), weights(tmp_path / "killed")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
