@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dflash.hidden import human_bytes
 from dflash.io import read_json, write_json
-from dflash.validate import EXAMPLES_PER_REASON
+from dflash.validate import EXAMPLES_PER_REASON, LENGTH_BINS, length_stats
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +73,14 @@ def qa_summary(qa_paths: list[Path], index_paths: list[Path]) -> dict:
                           "rate": sum(c.values()) / records if records else 0.0} for code, c in by_check.items()},
         "categories": {cat: {**c, "reject_rate": c["rejected"] / c["records"] if c["records"] else 0.0}
                        for cat, c in sorted(categories.items())},
-        "length_bins": bins,
+        "length_bins": bins or LENGTH_BINS,
         "lengths": {cat: dict(kinds) for cat, kinds in sorted(lengths.items())},
         "examples": dict(examples),
         "tokenized": dict(tokenized),
         "trainable_tokens": {"rows": len(every), "total": sum(every),
                              "median": statistics.median(every) if every else 0,
-                             "by_category": {c: {"rows": len(v), "total": sum(v), "median": statistics.median(v)}
+                             "by_category": {c: {"rows": len(v), "total": sum(v), "median": statistics.median(v),
+                                                 "histogram": length_stats(v)["histogram"]}
                                              for c, v in sorted(trainable.items())}},
     }
 

@@ -120,6 +120,10 @@ def _example_html(code: str, ex: dict) -> str:
     return "".join(parts)
 
 
+def _share(n: int, of: int | None) -> str:
+    return f"{n} of {of} ({n / of:.1%})" if of else str(n)
+
+
 def render_qa_html(qa: dict) -> str:
     """The QA page: overall counts, rates per check and category, length plots, examples."""
     counts = _table(["category", "completions", "kept", "rejected", "reject rate", "median trainable tokens"], [
@@ -132,6 +136,18 @@ def render_qa_html(qa: dict) -> str:
         _histogram_svg(f"{cat}: output tokens (n={k['output_tokens']['n']}, mean {k['output_tokens']['mean']}, "
                        f"max {k['output_tokens']['max']})", qa["length_bins"], k["output_tokens"]["histogram"])
         for cat, k in qa["lengths"].items() if k.get("output_tokens", {}).get("n"))
+    tok = qa["tokenized"]
+    tokenization = _table(["rows", "tokens", "trainable tokens", "from ids", "from text", "decode differs from text",
+                           "re-tokenized text differs from ids", "prompt boundary unstable", "truncated",
+                           "dropped (no anchor)"], [[
+        tok.get("rows", 0), tok.get("tokens", 0), tok.get("trainable_tokens", 0), tok.get("from_ids", 0),
+        tok.get("from_text", 0), tok.get("text_mismatch", 0), _share(tok.get("retokenize_differs", 0), tok.get("from_ids")),
+        _share(tok.get("boundary_unstable", 0), tok.get("boundary_checked")), tok.get("truncated", 0),
+        tok.get("dropped_no_anchor", 0)]])
+    trainable_plots = "".join(
+        _histogram_svg(f"{cat}: trainable tokens per row (n={c['rows']}, median {c['median']})", qa["length_bins"],
+                       c["histogram"])
+        for cat, c in qa["trainable_tokens"]["by_category"].items() if c.get("histogram"))
     examples = "".join(
         f"<h3>{html.escape(code)} ({qa['checks'][code]['total']} hits, {qa['checks'][code]['action']})</h3>"
         + "".join(_example_html(code, ex) for ex in found)
@@ -141,6 +157,10 @@ def render_qa_html(qa: dict) -> str:
 {counts}
 <h2>Checks: share of each category's completions hit</h2>{_check_rates(qa)}
 <h2>Output length per category</h2><div class="plots">{plots or "<p>no completions</p>"}</div>
+<h2>Tokenization</h2>
+<p>Rows are the target's own token ids where the records have them; "re-tokenized text differs" is how
+often tokenizing the text again would not give those ids (what rows from text would get wrong).</p>
+{tokenization}<div class="plots">{trainable_plots}</div>
 <h2>Examples per reason</h2>
 <p>Up to {EXAMPLES_PER_REASON} per reason code, with the text around the problem.</p>
 {examples or "<p>no check hit any completion</p>"}

@@ -178,7 +178,7 @@ def example(rec: dict, code: str, detail: str, calls: list[dict]) -> dict:
     return ex
 
 
-def _length_stats(values: list[int]) -> dict:
+def length_stats(values: list[int]) -> dict:
     """Summary and fixed-bin histogram of a category's lengths."""
     if not values:
         return {"n": 0}
@@ -292,7 +292,7 @@ def validate_shard(completions_path: Path, validated_path: Path, rejected_path: 
                           "by_category": dict(hits[code])} for code in [*CHECKS, "excluded"]},
         "categories": {cat: dict(c) for cat, c in sorted(per_cat.items())},
         "length_bins": LENGTH_BINS,
-        "lengths": {cat: {name: _length_stats(v) for name, v in sorted(kinds.items())}
+        "lengths": {cat: {name: length_stats(v) for name, v in sorted(kinds.items())}
                     for cat, kinds in sorted(lengths.items())},
         "examples": dict(examples),
     }

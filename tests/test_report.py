@@ -40,15 +40,18 @@ def test_qa_summary_sums_shards_and_keeps_examples(qa_summary):
     assert s["checks"]["tool_args_schema"]["by_category"] == {"tool": 1}
     assert [e["id"] for e in s["examples"]["repetition_loop"]] == ["loop"]
     assert s["lengths"]["chat"]["output_tokens"]["n"] == 3 and sum(s["lengths"]["tool"]["output_tokens"]["histogram"]) == 3
+    hist = lambda *counts: list(counts) + [0] * (len(s["length_bins"]) - len(counts))  # noqa: E731
     assert s["trainable_tokens"] == {"rows": 3, "total": 70, "median": 20, "by_category": {
-        "chat": {"rows": 2, "total": 50, "median": 25}, "tool": {"rows": 1, "total": 20, "median": 20}}}
+        "chat": {"rows": 2, "total": 50, "median": 25, "histogram": hist(0, 2)},
+        "tool": {"rows": 1, "total": 20, "median": 20, "histogram": hist(0, 1)}}}
     assert s["tokenized"] == {"rows": 3, "tokens": 270, "trainable_tokens": 70, "dropped_no_anchor": 0, "truncated": 1}
 
 
 def test_qa_page_shows_rates_plots_and_examples(qa_summary, tmp_path):
     write_qa_page(qa_summary, tmp_path / "qa.html")
     page = (tmp_path / "qa.html").read_text()
-    assert page.count("<svg") == 2 and "tool: output tokens (n=3" in page
+    assert page.count("<svg") == 4 and "tool: output tokens (n=3" in page
+    assert "chat: trainable tokens per row (n=2, median 25" in page
     assert "<td>tool_args_schema</td><td>reject</td><td>1</td><td>16.7%</td><td>0.0%</td><td>33.3%</td>" in page
     # the schema example shows the offered tool, the parsed call and the error
     section = page.split("<h3>tool_args_schema")[1].split("<h3>")[0]

@@ -74,3 +74,20 @@ def test_mismatch_counted_truncation_and_no_anchor_drop(tmp_path, tok):
 
 def test_has_anchor():
     assert has_anchor([0, 1, 1]) and not has_anchor([1, 0, 1, 0]) and not has_anchor([])
+
+
+def test_retokenization_and_prompt_boundary_are_reported(tmp_path, tok):
+    canonical = with_ids(tok, "c", "Two plus two is four.\n</think>\n\n4")
+    # the same text from other tokens, as a sampler may pick them: decodes equal, re-encodes differently
+    split = with_ids(tok, "s", "Two plus two is four.\n</think>\n\n4")
+    pieces = [tok.encode(ch, add_special_tokens=False) for ch in "Two"]
+    split["output_token_ids"] = [t for p in pieces for t in p] + tok.encode(
+        " plus two is four.\n</think>\n\n4", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert tok.decode(split["output_token_ids"][:-1]) == split["text"]
+    as_text = {**canonical, "id": "t", "prompt_token_ids": None, "output_token_ids": None,
+               "reasoning": "Two plus two is four.\n", "content": "\n\n4"}
+    # an empty think block: the template renders that turn without the <think> the prompt ends with
+    empty = {**as_text, "id": "e", "text": "</think>\n\n4", "reasoning": "", "content": "\n\n4"}
+    stats, _, _ = run(tmp_path, tok, [canonical, split, as_text, empty])
+    assert stats["text_mismatch"] == 0 and stats["retokenize_differs"] == 1
+    assert stats["boundary_checked"] == 2 and stats["boundary_unstable"] == 1
