@@ -91,7 +91,8 @@ def _inspect(a) -> int:
 
 
 def _cache_size(cfg, a):
-    from dflash.hidden import cache_plan, human_bytes
+    from dflash.hidden import cache_plan
+    from dflash.io import human_bytes
     from dflash.io import read_json
     from dflash.workflow import target_dir
 

@@ -11,8 +11,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from dflash.hidden import human_bytes
-from dflash.io import read_json, write_json
+from dflash.io import human_bytes, read_json, write_json
 from dflash.validate import EXAMPLES_PER_REASON, LENGTH_BINS, length_stats
 
 log = logging.getLogger(__name__)

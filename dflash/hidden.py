@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from dflash.io import human_bytes
+
 log = logging.getLogger(__name__)
 
 
@@ -84,13 +86,6 @@ def cache_bytes(tokens: int, num_layers: int, hidden_size: int, dtype: str) -> i
     per_value = torch.empty(0, dtype=DTYPES[dtype]).element_size()
     scales = 4 * tokens * num_layers if dtype == "float8_e4m3fn" else 0
     return tokens * num_layers * hidden_size * per_value + scales
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if n < 1000 or unit == "PB":
-            return f"{n:.1f} {unit}"
-        n /= 1000
 
 
 def cache_plan(config: dict, target_dir: str | Path, tokens: int) -> dict:

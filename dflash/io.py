@@ -173,5 +173,13 @@ def local_copy(path: str | os.PathLike) -> Iterator[Path]:
         yield local
 
 
+def human_bytes(n: float) -> str:
+    """1234567 -> '1.2 MB' (decimal units, as disks and clouds bill)."""
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.1f} {unit}"
+        n /= 1000
+
+
 def read_json(path: str | os.PathLike):
     return json.loads(Path(path).read_text(encoding="utf-8"))
