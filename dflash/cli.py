@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from dflash.config import ConfigError, load_config
-from dflash.workflow import drafter_train_cfg, layer_selection, set_threads, setup_logging
+from dflash.workflow import demo_target_sources, drafter_train_cfg, layer_selection, set_threads, setup_logging
 
 
 def _prompts(cfg, a):
@@ -22,7 +22,7 @@ def _prompts(cfg, a):
 def _target(cfg, a):
     from dflash.target import build_target
 
-    build_target([s["path"] for s in cfg["prompts"]["sources"]], a.out, cfg["target"]["build"])
+    build_target(demo_target_sources(cfg), a.out, cfg["target"]["build"])
 
 
 def _generate(cfg, a):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.adopt import adopted_record, rebuild_text, split_reasoning
 from dflash.io import atomic_path, iter_jsonl, write_json, write_jsonl_zst
 from dflash.server import wait_for_service
 from dflash.target import stop_token_ids
@@ -27,23 +28,6 @@ from dflash.toolcalls import parse_tool_calls, text_before_calls
 from dflash.workflow import progress
 
 log = logging.getLogger(__name__)
-
-THINK_CLOSE = "</think>"
-
-
-def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
-    """(reasoning, content) of a raw generation.
-
-    Split at the first ``</think>``, nothing stripped (as SGLang's qwen3 parser does); with
-    thinking on and no ``</think>`` everything is reasoning (a truncated or broken think block).
-    """
-    if not thinking:
-        return None, text
-    if THINK_CLOSE not in text:
-        return text.removeprefix("<think>"), ""
-    reasoning, content = text.split(THINK_CLOSE, 1)
-    return reasoning.removeprefix("<think>"), content
-
 
 def resolve_sampling(cfg: dict, generation_config) -> dict:
     """Sampling params from config, unset ones taken from the model's generation_config."""
@@ -214,30 +198,15 @@ class OpenAIBackend:
             body_ids = output_ids[:-1] if output_ids and output_ids[-1] in self.stop else output_ids
             text, reconstructed = self.tokenizer.decode(body_ids, skip_special_tokens=False), False
         else:
-            text, reconstructed = rebuild_text(choice["message"], thinking), True
+            server = "vllm" if self.dialect == "vllm" else "sglang"  # a plain OpenAI server strips nothing
+            text, _ = rebuild_text(choice["message"], thinking, finish, server)
+            reconstructed = True
         return Generation(text, finish, prompt_ids, output_ids, usage.get("prompt_tokens", len(prompt_ids or [])),
                           usage.get("completion_tokens", len(output_ids or [])), reconstructed)
 
 
 def _json_text(arguments) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-
-
-def rebuild_text(message: dict, thinking: bool) -> str:
-    """The raw Qwen3.6 output behind a parsed chat message: reasoning, ``</think>``, content,
-    then the tool calls in the XML format. Exact only when the server stripped nothing."""
-    reasoning = message.get("reasoning_content") or message.get("reasoning")
-    content = message.get("content") or ""
-    calls = []
-    for call in message.get("tool_calls") or []:
-        fn = call["function"]
-        args = json.loads(fn["arguments"]) if isinstance(fn["arguments"], str) else fn["arguments"]
-        params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>\n"
-                         for k, v in args.items())
-        calls.append(f"<tool_call>\n<function={fn['name']}>\n{params}</function>\n</tool_call>")
-    if calls:
-        content = content + ("\n\n" if content.strip() else "") + "\n".join(calls)
-    return f"{reasoning or ''}</think>{content}" if thinking and reasoning is not None else content
 
 
 BACKENDS = {"transformers": TransformersBackend, "openai": OpenAIBackend}
@@ -387,9 +356,13 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
         raise ValueError(f"{prompts_path}: duplicate prompt ids")
     partial = partial_path(out_path)
     done = load_partial(partial, set(ids))
+    resumed = len(done)
     pending = [p for p in prompts if p["id"] not in done]
-    backend = BACKENDS[cfg["backend"]](target_dir, cfg)
-    sampling = resolve_sampling(cfg, backend.generation_config())
+    adopted = [p for p in pending if "imported" in p.get("meta", {})]
+    pending = [p for p in pending if "imported" not in p.get("meta", {})]
+    # A shard of imported generations needs no model and no server, only the tokenizer.
+    backend = BACKENDS[cfg["backend"]](target_dir, cfg) if pending else None
+    sampling = resolve_sampling(cfg, backend.generation_config()) if pending else None
     thinking = cfg["enable_thinking"]
     concurrency = cfg["server"]["concurrency"] if cfg["backend"] == "openai" else 1
     name = Path(prompts_path).name
@@ -398,7 +371,7 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
     t0 = time.time()
     errors: dict[str, list[dict]] = {}
     requests = tokens = 0
-    bar = progress(total=len(pending), desc=f"generate {name}", unit="prompt")
+    bar = progress(total=len(pending) + len(adopted), desc=f"generate {name}", unit="prompt")
     with open(partial, "a", encoding="utf-8") as sink:
         def finish(recs: list[dict]) -> None:
             nonlocal requests, tokens
@@ -413,6 +386,13 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
             bar.update()
             bar.set_postfix(tok_s=f"{tokens / max(time.time() - t0, 1e-9):.0f}", errors=len(errors), refresh=False)
 
+        if adopted:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(target_dir)
+            stop = stop_token_ids(tokenizer)
+            for prompt in adopted:
+                finish([adopted_record(prompt, tokenizer, stop)])
         if concurrency == 1:
             for prompt in pending:
                 finish(generate_conversation(prompt, backend, sampling, thinking))
@@ -428,8 +408,9 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
         "shard": name,
         "prompts": len(prompts),
         "records": len(records),
-        "resumed": len(prompts) - len(pending),
-        "requests": requests,
+        "resumed": resumed,
+        "requests": requests - len(adopted),
+        "adopted": len(adopted),
         "retries": getattr(backend, "retries_done", 0),
         "errors": len(errors),
         "finish_reasons": {r: sum(x["finish_reason"] == r for x in records) for r in ("stop", "length", "abort", "error")},

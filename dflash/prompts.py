@@ -16,7 +16,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
-from dflash.io import atomic_dir, iter_jsonl, shard_name, write_json, write_jsonl_zst
+from dflash.adopt import imported_generations, rebuild_text
+from dflash.io import atomic_dir, iter_jsonl, local_copy, shard_name, write_json, write_jsonl_zst
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,9 @@ def stable_id(source: str, messages: list[dict], tools: list | None) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
 
-def content_key(messages: list[dict], tools: list | None, replay: list | None = None) -> str:
-    blob = json.dumps({"messages": messages, "tools": tools, "replay": replay}, sort_keys=True, ensure_ascii=False)
+def content_key(messages: list[dict], tools: list | None, extra: list | dict | None = None) -> str:
+    """Duplicate key: the conversation, plus the replay or the imported answer that makes it a record."""
+    blob = json.dumps({"messages": messages, "tools": tools, "replay": extra}, sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
@@ -95,34 +97,67 @@ def _check_messages(messages: list[dict], tools, where: str) -> None:
                 raise ValueError(f"{where}: tools entries must be {{'type': 'function', 'function': {{'name', ...}}}}")
 
 
+def _imported_from(raw: dict, source: dict, where: str) -> list[tuple[list[dict], list | None, dict]]:
+    """(messages, tools, meta) per choice of a logged chat-completion exchange."""
+    try:
+        generations = imported_generations(raw, source)
+        for g in generations:
+            imp = g["imported"]
+            rebuild_text(imp["message"], imp["enable_thinking"], imp["finish_reason"], imp["server"],
+                         imp["tool_format"])
+    except KeyError as e:
+        raise ValueError(f"{where}: missing field {e} for format 'chat_completions'") from None
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{where}: {e}") from None
+    return [(g["messages"], g["tools"], {"imported": g["imported"]}) for g in generations]
+
+
 def read_source(source: dict) -> Iterator[dict]:
-    """Prompt records of one configured source, with ``meta.split`` set."""
-    path, fmt, name = Path(source["path"]), source.get("format", "openai"), source["name"]
-    if not path.exists():
-        raise FileNotFoundError(f"prompt source {name!r}: {path} does not exist")
+    """Prompt records of one configured source (a local path or ``s3://``), with ``meta.split``
+    set. A ``chat_completions`` source holds generations to adopt (``meta.imported``): its
+    messages are the request's, whole (nothing is cut or replayed: the server answered them)."""
+    fmt, name = source.get("format", "openai"), source["name"]
+    try:
+        with local_copy(source["path"]) as path:
+            yield from _records_of(path, source["path"], fmt, name, source)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"prompt source {name!r}: {e}") from None
+
+
+def _records_of(path: Path, shown: str, fmt: str, name: str, source: dict) -> Iterator[dict]:
     for index, raw in enumerate(iter_jsonl(path)):
-        where = f"{path}:{index + 1}"
-        try:
-            messages, tools = _messages_from(raw, fmt)
-        except KeyError as e:
-            raise ValueError(f"{where}: missing field {e} for format {fmt!r}") from None
-        _check_messages(messages, tools, where)
-        messages, replay = split_replay(messages)
-        if not messages:
-            raise ValueError(f"{where}: nothing before the first tool call to prompt with")
+        where = f"{shown}:{index + 1}"
+        if fmt == "chat_completions":
+            entries = _imported_from(raw, source, where)
+        else:
+            try:
+                messages, tools = _messages_from(raw, fmt)
+            except KeyError as e:
+                raise ValueError(f"{where}: missing field {e} for format {fmt!r}") from None
+            _check_messages(messages, tools, where)
+            messages, replay = split_replay(messages)
+            if not messages:
+                raise ValueError(f"{where}: nothing before the first tool call to prompt with")
+            entries = [(messages, tools, {"replay": replay} if replay else {})]
         category = raw.get("category") or source.get("category") or "other"
         if category not in CATEGORIES:
             raise ValueError(f"{where}: unknown category {category!r} (expected one of {', '.join(CATEGORIES)})")
-        tools = tools or None
-        yield {
-            "id": stable_id(name, messages + [{"replay": step} for step in replay], tools),
-            "source": name,
-            "category": category,
-            "messages": messages,
-            "tools": tools,
-            "meta": {"index": index, "split": raw.get("split") or source.get("split", "train"),
-                     **({"replay": replay} if replay else {})},
-        }
+        for choice, (messages, tools, extra) in enumerate(entries):
+            if fmt == "chat_completions":
+                _check_messages(messages, tools, where)
+            tools = tools or None
+            # An imported generation is its own record: several answers to one prompt all count.
+            keyed = messages + [{"replay": step} for step in extra.get("replay", [])]
+            if "imported" in extra:
+                keyed = keyed + [{"imported": extra["imported"]["message"], "choice": choice}]
+            yield {
+                "id": stable_id(name, keyed, tools),
+                "source": name,
+                "category": category,
+                "messages": messages,
+                "tools": tools,
+                "meta": {"index": index, "split": raw.get("split") or source.get("split", "train"), **extra},
+            }
 
 
 def stratify(records: list[dict], shard_size: int) -> list[list[dict]]:
@@ -147,7 +182,7 @@ def build_prompts(sources: list[dict], out_dir: Path, shard_size: int) -> dict:
     dropped = Counter()
     for source in sources:
         for rec in read_source(source):
-            key = content_key(rec["messages"], rec["tools"], rec["meta"].get("replay"))
+            key = content_key(rec["messages"], rec["tools"], rec["meta"].get("replay") or rec["meta"].get("imported", {}).get("message"))
             if key in seen:
                 dropped["duplicate"] += 1
                 continue

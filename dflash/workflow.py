@@ -13,6 +13,13 @@ def target_dir(config: dict) -> str:
     return config["target"]["path"] or f"{config['output_dir']}/target"
 
 
+def demo_target_sources(config: dict) -> list[str]:
+    """Sources the demo target's tokenizer learns from: the local prompt conversations (adopted
+    generations come from a real target, which ``target.path`` names)."""
+    return [s["path"] for s in config["prompts"]["sources"]
+            if s.get("format", "openai") != "chat_completions" and not s["path"].startswith("s3://")]
+
+
 def shard_ids(prompts_dir: str | Path) -> list[str]:
     """Shard numbers ("00000", ...) listed in the prompts manifest."""
     manifest = read_json(Path(prompts_dir) / "manifest.json")

@@ -1,7 +1,8 @@
 checkpoint prompts:
     """Canonical prompt records, deduplicated and stratified into shards, plus the held-out set."""
     input:
-        [s["path"] for s in config["prompts"]["sources"]],
+        # s3:// sources are read by the job (boto3), not tracked: an object is not re-read when it changes.
+        [s["path"] for s in config["prompts"]["sources"] if not s["path"].startswith("s3://")],
     output:
         directory(f"{OUT}/prompts"),
     params:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import socket
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,23 @@ def demo_slice(demo_sources: list[dict], workdir: Path, train: int, heldout: int
                                   + [ln for ln in lines if '"split": "heldout"' in ln][:heldout]) + "\n")
         sources.append({**src, "path": str(path)})
     return sources
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """A real S3 API on localhost (moto's server), reached through boto3 like any endpoint."""
+    boto3 = pytest.importorskip("boto3")
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    for key, value in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+                       "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="drafter")
+    yield client
+    server.stop()

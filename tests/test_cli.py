@@ -38,7 +38,7 @@ def test_prompts_twin_and_clear_errors(tmp_path, capsys, monkeypatch):
     assert read_json(tmp_path / "p" / "manifest.json")["prompts"] >= 150
     monkeypatch.chdir(tmp_path)
     assert main(["prompts", "--config", str(ROOT / "config.yaml"), "--out", str(tmp_path / "q")]) == 1
-    assert "data/demo/chat.jsonl does not exist" in capsys.readouterr().err
+    assert "data/demo/chat.jsonl: no such file" in capsys.readouterr().err
     bad = tmp_path / "bad.yaml"
     bad.write_text("prompts: {sources: [{name: a, path: a.jsonl}]}\nrun_name: x\n")
     assert main(["validate", "--config", str(bad), "--completions", "c", "--validated", "v", "--rejected", "r", "--qa", "q"]) == 2

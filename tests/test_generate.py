@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash.generate import generate_shard, partial_path, sample_seed, split_reasoning
+from dflash.adopt import split_reasoning
+from dflash.generate import generate_shard, partial_path, sample_seed
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source
 from dflash.records import record_errors

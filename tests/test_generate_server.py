@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash.generate import generate_shard, partial_path, rebuild_text, split_reasoning
+from dflash.adopt import split_reasoning
+from dflash.generate import generate_shard, partial_path
 from dflash.io import read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source
 from dflash.server import ServerProcess, free_port
@@ -77,15 +78,6 @@ def test_rejected_request_field_is_a_clear_error(server, prompts, target_dir, tm
     generate_shard(path, tmp_path / "c.jsonl.zst", target_dir, cfg(server[0], dialect="vllm", max_error_fraction=1.0))
     err = read_jsonl(tmp_path / "c.jsonl.zst")[0]["error"]
     assert "HTTP 422" in err and "return_token_ids" in err
-
-
-def test_rebuild_text():
-    msg = {"reasoning_content": "R\n", "content": "\n\n",
-           "tool_calls": [{"function": {"name": "f", "arguments": '{"a": "x", "n": 2}'}}]}
-    assert rebuild_text(msg, True) == ("R\n</think>\n\n<tool_call>\n<function=f>\n<parameter=a>\nx\n</parameter>\n"
-                                       "<parameter=n>\n2\n</parameter>\n</function>\n</tool_call>")
-    assert rebuild_text({"reasoning_content": "R\n", "content": "\n\nC"}, True) == "R\n</think>\n\nC"
-    assert rebuild_text({"content": "C"}, False) == "C"
 
 
 def requests_seen(server_log: Path) -> int:

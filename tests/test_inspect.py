@@ -1,6 +1,5 @@
 """``dflash inspect``: any stage's shard, local or on a real S3 server (moto), readable or JSON."""
 import json
-import socket
 
 import pytest
 
@@ -68,26 +67,6 @@ def test_bad_input_names_the_file(tmp_path, capsys):
     assert rc == 1 and f"{tmp_path}/broken.jsonl:2: not valid JSON" in err
     rc, _, err = inspect(capsys, tmp_path / "missing.jsonl.zst")
     assert rc == 1 and "missing.jsonl.zst: no such file" in err
-
-
-@pytest.fixture
-def s3(monkeypatch):
-    """A real S3 API on localhost (moto's server), reached through boto3 like any endpoint."""
-    boto3 = pytest.importorskip("boto3")
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    for key, value in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
-                       "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(key, value)
-    client = boto3.client("s3")
-    client.create_bucket(Bucket="drafter")
-    yield client
-    server.stop()
 
 
 def test_shards_in_s3(shards, s3, capsys):

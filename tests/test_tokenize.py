@@ -91,3 +91,39 @@ def test_retokenization_and_prompt_boundary_are_reported(tmp_path, tok):
     stats, _, _ = run(tmp_path, tok, [canonical, split, as_text, empty])
     assert stats["text_mismatch"] == 0 and stats["retokenize_differs"] == 1
     assert stats["boundary_checked"] == 2 and stats["boundary_unstable"] == 1
+
+
+def test_tool_call_replay_rows_are_token_exact_on_both_paths(tmp_path, tok):
+    """A replayed tool conversation (one record per assistant generation, the history as the
+    generate stage feeds it back): rows from ids and rows from text agree token for token, and the
+    template drops the reasoning of turns before the last user query while keeping the agent loop's."""
+    from dflash.generate import assistant_turn
+    from tests.test_adopt import PARIS, TOOLS, emitted, turn
+
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet."},
+               {"role": "user", "content": "Weather in Paris?"}]
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def record(rid, messages, answer):
+        text = emitted(tok, messages, answer)
+        prompt = tok.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+        reasoning, content = text.split("</think>", 1)
+        return {"id": rid, "category": "tool", "messages": messages, "tools": TOOLS, "text": text,
+                "reasoning": reasoning, "content": content, "finish_reason": "stop",
+                "prompt_token_ids": tok.encode(prompt, add_special_tokens=False),
+                "output_token_ids": tok.encode(text, add_special_tokens=False) + [end],
+                "generation": {"enable_thinking": True}}
+
+    step0 = record("r", history, turn("Need the tool.", "", PARIS))
+    result = {"role": "tool", "content": '{"temp": 21}'}
+    step1 = record("r-g1", history + [assistant_turn(step0), result], turn("It is 21C.", "21C in Paris."))
+    assert "<tool_call>\n<function=get_weather>" in step0["text"]
+    as_text = [{**r, "id": r["id"] + "-text", "prompt_token_ids": None, "output_token_ids": None} for r in (step0, step1)]
+    stats, t, index = run(tmp_path, tok, [step0, step1, *as_text])
+    off = t["offsets"].tolist()
+    rows = [t["input_ids"][off[i]:off[i + 1]].tolist() for i in range(4)]
+    assert rows[0] == rows[2] and rows[1] == rows[3] and rows[0] != rows[1]
+    prompt1 = tok.decode(step1["prompt_token_ids"])
+    assert "Greet." not in prompt1 and "Need the tool." in prompt1 and prompt1.count("<tool_call>") == 3  # 2 in the tools instructions
+    assert stats["retokenize_differs"] == 0 and stats["boundary_unstable"] == 0 and stats["text_mismatch"] == 0
+    assert [r["trainable"] for r in index["rows"]] == [len(step0["output_token_ids"]), len(step1["output_token_ids"])] * 2
