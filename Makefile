@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CORES ?= 2
 
-.PHONY: install demo test clean speculators-venv
+.PHONY: install demo test clean speculators-venv specforge-venv
 
 $(BIN)/dflash: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,18 +39,37 @@ test: install $(REFERENCE)/dflash/model.py $(VLLM_VENV)/.installed
 	DFLASH_REFERENCE_MODEL_PY=$(CURDIR)/$(REFERENCE)/dflash/model.py DFLASH_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/pytest -q
 
 clean:
-	rm -rf results .snakemake .cache $(VLLM_VENV) $(SPEC_VENV)
+	rm -rf results .snakemake .cache $(VLLM_VENV) $(SPEC_VENV) $(SPECFORGE_VENV)
 
-# speculators 0.9.0 for bench/train_vs_speculators.py, in its own venv: it pins its own
-# transformers range, and importing it loads its whole package (these are what that needs).
+# A benchmark's competitor in its own venv: $(call bench-venv,VENV,PACKAGE,WHAT IT IMPORTS). The
+# package goes in with --no-deps (its pins would replace our torch and transformers), then the
+# CPU torch and only what its measured code path imports.
+define bench-venv
+	rm -rf $(1)
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/pip install -q torch==2.13.0
+	$(1)/bin/pip install -q --no-deps $(2)
+	$(1)/bin/pip install -q torch==2.13.0 $(3)
+	@touch $(1)/.installed
+endef
+
+# speculators 0.9.0 for bench/train_vs_speculators.py: it pins its own transformers range, and
+# importing it loads its whole package (these are what that needs).
 SPEC_VENV := .venv-speculators
 $(SPEC_VENV)/.installed:
-	rm -rf $(SPEC_VENV)
-	$(PYTHON) -m venv $(SPEC_VENV)
-	$(SPEC_VENV)/bin/pip install -q torch==2.13.0
-	$(SPEC_VENV)/bin/pip install -q --no-deps speculators==0.9.0
-	$(SPEC_VENV)/bin/pip install -q torch==2.13.0 transformers==5.23.0 safetensors pydantic pydantic-settings \
-		loguru openai "datasets<=5.1.0" hs-connectors==0.9.0 aiohttp httpx psutil
-	@touch $@
+	$(call bench-venv,$(SPEC_VENV),speculators==0.9.0,transformers==5.23.0 safetensors pydantic pydantic-settings \
+		loguru openai "datasets<=5.1.0" hs-connectors==0.9.0 aiohttp httpx psutil)
 
 speculators-venv: $(SPEC_VENV)/.installed
+
+# SpecForge 0.2.0 for bench/specforge_preprocess.py. Its metadata pins torch 2.11, transformers
+# 5.8.1 and sglang (+ wandb, yunchang, ...) for training; its data path needs none of them:
+# specforge/__init__.py and specforge/data/__init__.py are bare docstrings, so
+# `from specforge.data.preprocessing import build_eagle3_dataset` loads only specforge.data.* and
+# specforge.{distributed,utils} (torch, transformers, datasets, tqdm, pydantic), no stub needed.
+# transformers 5.23.0 works with it; jinja2 renders the chat template.
+SPECFORGE_VENV := .venv-specforge
+$(SPECFORGE_VENV)/.installed:
+	$(call bench-venv,$(SPECFORGE_VENV),specforge==0.2.0,transformers==5.23.0 datasets tqdm pydantic jinja2)
+
+specforge-venv: $(SPECFORGE_VENV)/.installed

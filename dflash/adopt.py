@@ -21,9 +21,8 @@ none of this: its ids are kept and its text is their decoding (done by the token
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-SERVERS = ("sglang", "vllm")
-TOOL_FORMATS = ("xml", "hermes")
 THINK_CLOSE = "</think>"
 # Which (server, tool format) pairs strip the text before the first tool call.
 STRIPS_TEXT_BEFORE_CALLS = {("vllm", "xml"), ("sglang", "hermes")}
@@ -191,3 +190,32 @@ def adopted_record(prompt: dict, tokenizer, stop_ids: set[int]) -> dict:
                            "sampling": imp["sampling"], "enable_thinking": thinking,
                            "reconstructed": not has_ids, "verbatim": verbatim},
             "error": None}
+
+
+def adopt_files(paths: list[str], out_path, tokenizer, options: dict) -> dict:
+    """Logged exchanges (local or ``s3://``) -> one completion shard, without the pipeline: what
+    ``dflash adopt`` runs. ``options`` are a chat_completions source's (server, tool_format,
+    enable_thinking, category). Returns the counts it logs."""
+    from collections import Counter
+
+    from dflash.io import write_jsonl_zst
+    from dflash.prompts import read_source
+    from dflash.target import stop_token_ids
+
+    stop = stop_token_ids(tokenizer)
+    counts = Counter()
+
+    def records():
+        for path in paths:
+            source = {**options, "name": Path(str(path).rstrip("/")).name.split(".")[0] or "logged",
+                      "path": str(path), "format": "chat_completions"}
+            for prompt in read_source(source):
+                rec = adopted_record(prompt, tokenizer, stop)
+                counts["records"] += 1
+                counts[f"finish_{rec['finish_reason']}"] += 1
+                counts["with_ids"] += not rec["generation"]["reconstructed"]
+                counts["whitespace_restored"] += not rec["generation"]["verbatim"]
+                yield rec
+
+    write_jsonl_zst(out_path, records())
+    return dict(counts)

@@ -90,6 +90,19 @@ def _inspect(a) -> int:
     return 0
 
 
+def _adopt(a) -> int:
+    from transformers import AutoTokenizer
+
+    from dflash.adopt import adopt_files
+
+    options = {"server": a.server, "tool_format": a.tool_format, "enable_thinking": not a.no_thinking,
+               **({"category": a.category} if a.category else {})}
+    counts = adopt_files(a.logs, a.out, AutoTokenizer.from_pretrained(a.target), options)
+    print(f"{a.out}: {counts.get('records', 0)} completion records; "
+          + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k != "records"), file=sys.stderr)
+    return 0
+
+
 def _cache_size(cfg, a):
     from dflash.hidden import cache_plan
     from dflash.io import human_bytes
@@ -166,6 +179,20 @@ def parser() -> argparse.ArgumentParser:
     inspect.add_argument("--full", action="store_true", help="do not shorten long texts")
     inspect.add_argument("--target", type=Path, help="target model folder: decode tokenized rows")
     inspect.set_defaults(run=_inspect)
+    adopt = sub.add_parser(
+        "adopt", help="logged SGLang/vLLM chat completions -> a completion shard (no generation)",
+        description="Turn logged chat-completion exchanges ({request, response} lines, or OpenAI batch lines; "
+                    "local or s3://) into completion records, text rebuilt as the model emitted it. In a "
+                    "pipeline run, give the files as prompt sources with format: chat_completions instead.")
+    adopt.add_argument("logs", nargs="+", help="JSONL or JSONL.zst files of logged exchanges")
+    adopt.add_argument("--target", type=Path, required=True, help="target model folder (its tokenizer)")
+    adopt.add_argument("--out", type=Path, required=True, help="completion shard to write (.jsonl.zst)")
+    adopt.add_argument("--server", choices=["auto", "sglang", "vllm"], default="auto")
+    adopt.add_argument("--tool-format", choices=["xml", "hermes"], default="xml")
+    adopt.add_argument("--category", choices=["chat", "code", "reasoning", "tool", "other"],
+                       help="category of lines that carry none (default: other)")
+    adopt.add_argument("--no-thinking", action="store_true", help="requests without enable_thinking had it off")
+    adopt.set_defaults(run=_adopt)
     return p
 
 

@@ -138,10 +138,10 @@ def render_qa_html(qa: dict) -> str:
         for cat, k in qa["lengths"].items() if k.get("output_tokens", {}).get("n"))
     tok = qa["tokenized"]
     tokenization = _table(["rows", "tokens", "trainable tokens", "from ids", "from text", "decode differs from text",
-                           "re-tokenized text differs from ids", "prompt boundary unstable", "truncated",
+                           "re-tokenized text differs from ids (sample)", "prompt boundary unstable", "truncated",
                            "dropped (no anchor)"], [[
         tok.get("rows", 0), tok.get("tokens", 0), tok.get("trainable_tokens", 0), tok.get("from_ids", 0),
-        tok.get("from_text", 0), tok.get("text_mismatch", 0), _share(tok.get("retokenize_differs", 0), tok.get("from_ids")),
+        tok.get("from_text", 0), tok.get("text_mismatch", 0), _share(tok.get("retokenize_differs", 0), tok.get("retokenize_checked")),
         _share(tok.get("boundary_unstable", 0), tok.get("boundary_checked")), tok.get("truncated", 0),
         tok.get("dropped_no_anchor", 0)]])
     trainable_plots = "".join(

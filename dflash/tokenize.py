@@ -8,24 +8,41 @@ length and trainable tokens, and the shard's statistics.
 Rows come from the record's token ids when it has them (exactly what the target saw and
 produced); records without ids are rendered with the chat template and the generated text is
 tokenized as the continuation. What could make a row differ from the model's tokens is counted,
-never hidden: ids that do not decode to the text (``text_mismatch``), text that re-tokenizes to
-other ids (``retokenize_differs``: what the text path would get wrong), and rows from text whose
-rendered prompt is not a token prefix of the rendered conversation (``boundary_unstable`` of
-``boundary_checked``).
+never hidden: ids that do not decode to the text (``text_mismatch``, every record), text that
+re-tokenizes to other ids (``retokenize_differs`` of ``retokenize_checked``: what the text path
+would get wrong, on a fixed sample of ``retokenize_sample``), and rows from text whose rendered
+prompt is not a token prefix of the rendered conversation (``boundary_unstable`` of
+``boundary_checked``, every record).
+
+Records are encoded in batches (the fast tokenizer's own parallel batch encode), which is what
+keeps the stage near the speed of a bare ``tokenizer(texts)`` call.
 """
 from __future__ import annotations
 
 import logging
+import re
+import zlib
 from collections import Counter, defaultdict
+from itertools import islice
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
 from dflash.io import atomic_path, iter_jsonl, write_json
 from dflash.target import stop_token_ids
+from dflash.workflow import progress
 
 log = logging.getLogger(__name__)
+
+BATCH = 256
+# Characters past the prompt/answer boundary that can decide how the prompt's last piece
+# tokenizes: a pre-token (word, number, whitespace or punctuation run) longer than this that
+# straddles the boundary would be judged on its first BOUNDARY_WINDOW characters only.
+BOUNDARY_WINDOW = 256
+COUNTS = ("from_ids", "from_text", "text_mismatch", "retokenize_checked", "retokenize_differs", "boundary_checked",
+          "boundary_unstable", "truncated", "dropped_no_anchor")
 
 
 def render_prompt(rec: dict, tokenizer) -> str:
@@ -34,90 +51,174 @@ def render_prompt(rec: dict, tokenizer) -> str:
                                          enable_thinking=thinking, tokenize=False)
 
 
-def boundary_stable(rec: dict, tokenizer, prompt_ids: list[int]) -> bool:
-    """Whether the prompt's tokens are a prefix of the whole conversation's (prompt + this answer,
-    rendered by the template): if not, the row's prompt/answer boundary is not what training on
-    whole conversations would see."""
+def render_conversation(rec: dict, tokenizer) -> str:
+    """Prompt and this answer as the template renders a whole conversation (as training on
+    conversations, SpecForge style, would tokenize it)."""
     thinking = rec.get("generation", {}).get("enable_thinking", True)
     answer = {"role": "assistant", "content": rec.get("content") or ""}
     if rec.get("reasoning") is not None:
         answer["reasoning_content"] = rec["reasoning"]
-    full = tokenizer.apply_chat_template(rec["messages"] + [answer], tools=rec.get("tools"), enable_thinking=thinking,
+    return tokenizer.apply_chat_template(rec["messages"] + [answer], tools=rec.get("tools"), enable_thinking=thinking,
                                          tokenize=False)
-    return tokenizer.encode(full, add_special_tokens=False)[:len(prompt_ids)] == prompt_ids
 
 
-def row_from_record(rec: dict, tokenizer, end_of_turn: int) -> tuple[list[int], list[int], str]:
-    """(input ids, loss mask, path) for one completion record."""
-    if rec.get("prompt_token_ids") is not None and rec.get("output_token_ids") is not None:
-        prompt, output = rec["prompt_token_ids"], rec["output_token_ids"]
-        path = "ids"
-    else:
-        prompt = tokenizer.encode(render_prompt(rec, tokenizer), add_special_tokens=False)
-        output = tokenizer.encode(rec["text"], add_special_tokens=False)
-        if rec["finish_reason"] == "stop":
-            output = output + [end_of_turn]
-        path = "text"
-    return prompt + output, [0] * len(prompt) + [1] * len(output), path
+class Encoder:
+    """Batched encoding and decoding with one tokenizer, and the checks built on them."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.stop_ids = stop_token_ids(tokenizer)
+        added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
+        self.added = re.compile("|".join(map(re.escape, added))) if added else None
+        # The Rust tokenizer gives the same ids and text as the transformers wrapper, as long as
+        # the wrapper has no clean-up of its own to apply, without its per-call overhead; its
+        # encode_batch_fast skips the character offsets nobody here reads.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.fast = backend if backend is not None and not tokenizer.clean_up_tokenization_spaces else None
+        self.tails: dict[str, list[int]] = {}
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        if self.fast is not None:
+            batch = getattr(self.fast, "encode_batch_fast", self.fast.encode_batch)
+            return [e.ids for e in batch(texts, add_special_tokens=False)]
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        if self.fast is not None:
+            return self.fast.decode_batch(ids, skip_special_tokens=False)
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=False)
+
+    def _probe(self, prompt: str, prompt_ids: list[int], full: str) -> bool | tuple[list[int], str]:
+        """The verdict when the strings decide it, else (the prompt's last tokens, the text of
+        ``full`` whose encoding must start with them)."""
+        if not full.startswith(prompt):
+            return False
+        cut = 0
+        if self.added is not None:
+            for m in self.added.finditer(prompt, max(0, len(prompt) - BOUNDARY_WINDOW)):
+                cut = m.end()
+        tail = prompt[cut:]
+        if not tail:
+            return True
+        if cut == 0 and len(prompt) > BOUNDARY_WINDOW:  # no added token near the end: the whole text
+            return prompt_ids, full
+        window = full[cut:len(prompt) + BOUNDARY_WINDOW]
+        if self.added is not None and (m := self.added.search(window, len(tail))):
+            window = window[:m.start()]
+        if tail not in self.tails:  # generation prompts end alike: a handful of tails per shard
+            self.tails[tail] = self.encode([tail])[0]
+        tail_ids = self.tails[tail]
+        if prompt_ids[len(prompt_ids) - len(tail_ids):] != tail_ids:
+            return False
+        return tail_ids, window
+
+    def boundaries_stable(self, prompts: list[str], prompt_ids: list[list[int]], fulls: list[str]) -> list[bool]:
+        """Whether each prompt's ids are a prefix of the tokens of its whole conversation.
+
+        Added tokens split the text before anything else, so everything up to the prompt's last
+        added token tokenizes alike in both; only the text after it (the generation prompt's
+        trailing newline, say) can merge with the answer. That piece is re-encoded with the
+        characters that follow it in the conversation, up to the next added token or
+        ``BOUNDARY_WINDOW`` characters, instead of the whole conversation.
+        """
+        probes = [self._probe(*args) for args in zip(prompts, prompt_ids, fulls)]
+        todo = [n for n, p in enumerate(probes) if isinstance(p, tuple)]
+        for n, ids in zip(todo, self.encode([probes[n][1] for n in todo])):
+            probes[n] = ids[:len(probes[n][0])] == probes[n][0]
+        return probes
 
 
-def has_anchor(mask: list[int]) -> bool:
-    """DFlash needs an anchor and at least one label: two consecutive supervised tokens."""
-    return any(a and b for a, b in zip(mask, mask[1:]))
+def sampled(record_id: str, fraction: float) -> bool:
+    """A fixed, id-keyed sample: the same records are checked on every run and in every shard."""
+    return fraction >= 1.0 or zlib.crc32(record_id.encode("utf-8")) < fraction * 2**32
+
+
+def rows_of_batch(recs: list[dict], enc: Encoder, cfg: dict, counts: Counter) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, output ids) of each record, in order; counts what could differ from the model's tokens."""
+    rows: list = [None] * len(recs)
+    by_ids = [i for i, r in enumerate(recs) if r.get("prompt_token_ids") is not None
+              and r.get("output_token_ids") is not None]
+    with_ids = set(by_ids)
+    by_text = [i for i in range(len(recs)) if i not in with_ids]
+    if by_ids:
+        outs = [recs[i]["output_token_ids"] for i in by_ids]
+        bodies = [o[:-1] if o and o[-1] in enc.stop_ids else o for o in outs]
+        exact = []
+        for i, body, text in zip(by_ids, bodies, enc.decode(bodies)):
+            rows[i] = (recs[i]["prompt_token_ids"], recs[i]["output_token_ids"])
+            if text != recs[i]["text"]:
+                counts["text_mismatch"] += 1
+                log.warning("%s: decoded output ids differ from the record's text", recs[i]["id"])
+            elif sampled(recs[i]["id"], cfg["retokenize_sample"]):
+                exact.append((i, body))
+        # what the text path would have made of these records (a sampler need not pick the
+        # tokenizer's own split): how much rows from text would differ from the model's tokens
+        retokenized = enc.encode([recs[i]["text"] for i, _ in exact])
+        counts["retokenize_checked"] += len(exact)
+        counts["retokenize_differs"] += sum(ids != body for (_, body), ids in zip(exact, retokenized))
+        counts["from_ids"] += len(by_ids)
+    if by_text:
+        prompts = [render_prompt(recs[i], enc.tokenizer) for i in by_text]
+        encoded = enc.encode(prompts + [recs[i]["text"] for i in by_text])
+        prompt_ids = encoded[:len(by_text)]
+        for n, i in enumerate(by_text):
+            output = encoded[len(by_text) + n]
+            rows[i] = (prompt_ids[n], output + [enc.end_of_turn] if recs[i]["finish_reason"] == "stop" else output)
+        stable = enc.boundaries_stable(prompts, prompt_ids, [render_conversation(recs[i], enc.tokenizer) for i in by_text])
+        for i, ok in zip(by_text, stable):
+            if not ok:
+                log.warning("%s: the rendered prompt is not a token prefix of the rendered conversation", recs[i]["id"])
+        counts["from_text"] += len(by_text)
+        counts["boundary_checked"] += len(by_text)
+        counts["boundary_unstable"] += stable.count(False)
+    return rows
 
 
 def tokenize_shard(validated_path: Path, out_tensors: Path, out_index: Path, tokenizer, cfg: dict) -> dict:
-    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    stop_ids = stop_token_ids(tokenizer)
+    enc = Encoder(tokenizer)
     max_length = cfg["max_length"]
-    ids_all: list[int] = []
-    mask_all: list[int] = []
-    offsets = [0]
+    pieces: list[np.ndarray] = []
+    prompt_lengths, offsets = [], [0]
     rows = []
     counts = Counter()
     trainable_by_cat: dict[str, list[int]] = defaultdict(list)
-    for rec in iter_jsonl(validated_path):
-        ids, mask, path = row_from_record(rec, tokenizer, end_of_turn)
-        counts[f"from_{path}"] += 1
-        if path == "ids":
-            out = rec["output_token_ids"]
-            body = out[:-1] if out and out[-1] in stop_ids else out
-            if tokenizer.decode(body, skip_special_tokens=False) != rec["text"]:
-                counts["text_mismatch"] += 1
-                log.warning("%s: decoded output ids differ from the record's text", rec["id"])
-            # what the text path would have made of this record (a sampler need not pick the
-            # tokenizer's own split): how much rows from text would differ from the model's tokens
-            elif tokenizer.encode(rec["text"], add_special_tokens=False) != body:
-                counts["retokenize_differs"] += 1
-        else:
-            counts["boundary_checked"] += 1
-            if not boundary_stable(rec, tokenizer, ids[:len(ids) - int(sum(mask))]):
-                counts["boundary_unstable"] += 1
-                log.warning("%s: the rendered prompt is not a token prefix of the rendered conversation", rec["id"])
-        if len(ids) > max_length:
-            ids, mask = ids[:max_length], mask[:max_length]
-            counts["truncated"] += 1
-        if not has_anchor(mask):
-            counts["dropped_no_anchor"] += 1
-            continue
-        ids_all += ids
-        mask_all += mask
-        offsets.append(len(ids_all))
-        rows.append({"id": rec["id"], "category": rec["category"], "length": len(ids), "trainable": sum(mask)})
-        trainable_by_cat[rec["category"]].append(sum(mask))
-    tensors = {
-        "input_ids": torch.tensor(ids_all, dtype=torch.int32),
-        "loss_mask": torch.tensor(mask_all, dtype=torch.uint8),
-        "offsets": torch.tensor(offsets, dtype=torch.int64),
-    }
+    records = iter_jsonl(validated_path)
+    bar = progress(desc=f"tokenize {Path(validated_path).name}", unit="record")
+    while batch := list(islice(records, BATCH)):
+        for rec, (prompt, output) in zip(batch, rows_of_batch(batch, enc, cfg, counts)):
+            length = len(prompt) + len(output)
+            if length > max_length:
+                length = max_length
+                counts["truncated"] += 1
+            # the loss mask is the output part: DFlash needs an anchor and a label in it
+            trainable = max(0, length - len(prompt))
+            if trainable < 2:
+                counts["dropped_no_anchor"] += 1
+                continue
+            pieces.append(np.array(prompt, dtype=np.int32))
+            pieces.append(np.array(output[:trainable], dtype=np.int32))
+            prompt_lengths.append(len(prompt))
+            offsets.append(offsets[-1] + length)
+            rows.append({"id": rec["id"], "category": rec["category"], "length": length, "trainable": trainable})
+            trainable_by_cat[rec["category"]].append(trainable)
+        bar.update(len(batch))
+    bar.close()
+    input_ids = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+    loss_mask = np.ones(len(input_ids), dtype=np.uint8)
+    for start, prompt_length in zip(offsets, prompt_lengths):
+        loss_mask[start:start + prompt_length] = 0
+    tensors = {"input_ids": torch.from_numpy(input_ids), "loss_mask": torch.from_numpy(loss_mask),
+               "offsets": torch.tensor(offsets, dtype=torch.int64)}
     with atomic_path(out_tensors) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "dflash-tokenized-v1"})
     stats = {
         "rows": len(rows),
-        "tokens": len(ids_all),
-        "trainable_tokens": sum(mask_all),
-        **{k: counts[k] for k in ("from_ids", "from_text", "text_mismatch", "retokenize_differs", "boundary_checked",
-                                  "boundary_unstable", "truncated", "dropped_no_anchor")},
+        "tokens": len(input_ids),
+        "trainable_tokens": sum(r["trainable"] for r in rows),
+        **{k: counts[k] for k in COUNTS},
         "trainable_by_category": {c: {"rows": len(v), "tokens": sum(v)} for c, v in sorted(trainable_by_cat.items())},
     }
     write_json(out_index, {"rows": rows, "stats": stats})

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -53,9 +54,13 @@ def start_job(snakemake) -> None:
 
 
 def set_threads(n: int) -> None:
+    """The job's threads for torch and for the Rust tokenizer's batch encode, which would take
+    every core (Snakemake runs one job per core it was given). An explicit
+    ``RAYON_NUM_THREADS`` in the environment wins."""
     import torch
 
     torch.set_num_threads(max(1, int(n)))
+    os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, int(n))))
 
 
 def layer_selection(drafter_cfg: dict) -> dict:

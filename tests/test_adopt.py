@@ -202,7 +202,7 @@ def test_imported_exchanges_become_exact_records_and_rows(tmp_path, tok, target_
     # the agent loop's kept), the text as the continuation, end of turn only after a stop
     write_jsonl_zst(tmp_path / "v.jsonl.zst", records)
     stats = tokenize_shard(tmp_path / "v.jsonl.zst", tmp_path / "t.safetensors", tmp_path / "t.json", tok,
-                           {"max_length": 4096})
+                           {"max_length": 4096, "retokenize_sample": 1.0})
     assert stats["from_text"] == len(records) and stats["boundary_unstable"] == 0
     t, rows = load_file(str(tmp_path / "t.safetensors")), read_json(tmp_path / "t.json")["rows"]
     end = tok.convert_tokens_to_ids("<|im_end|>")
@@ -285,3 +285,21 @@ def test_pipeline_adopts_a_log_instead_of_generating(tmp_path, tok, target_dir):
     # the calls rendered back pass every tool-call check; the short demo answers are trivial
     assert all(c["total"] == 0 for name, c in summary["checks"].items() if name.startswith("tool_"))
     assert summary["tokenized"]["from_text"] == summary["kept"] == 4 and (res / "report" / "qa.html").exists()
+
+
+def test_adopt_command(tmp_path, tok, target_dir, capsys):
+    from dflash.cli import main
+
+    pairs = exchanges(tok)
+    write_jsonl_zst(tmp_path / "day1.jsonl.zst", [line for line, _ in pairs])
+    assert main(["adopt", str(tmp_path / "day1.jsonl.zst"), "--target", str(target_dir), "--out",
+                 str(tmp_path / "c.jsonl.zst"), "--category", "chat"]) == 0
+    records = read_jsonl(tmp_path / "c.jsonl.zst")
+    assert sorted(r["text"] for r in records) == sorted(raw for _, raw in pairs)
+    assert {r["category"] for r in records} == {"tool", "chat"}  # the line's own category wins
+    assert "8 completion records; finish_length 1, finish_stop 7, whitespace_restored 1, with_ids 0" in capsys.readouterr().err
+    write_jsonl_zst(tmp_path / "bad.jsonl.zst", [{"request": request(ASK)}])
+    assert main(["adopt", str(tmp_path / "bad.jsonl.zst"), "--target", str(target_dir), "--out",
+                 str(tmp_path / "d.jsonl.zst")]) == 1
+    assert "bad.jsonl.zst:1: missing field 'response'" in capsys.readouterr().err
+    assert not (tmp_path / "d.jsonl.zst").exists()  # nothing half-written

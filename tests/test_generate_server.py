@@ -58,7 +58,7 @@ def test_openai_backend_against_a_real_server(server, prompts, target, target_di
     # Records without ids still tokenize, through the chat template.
     write_jsonl_zst(tmp_path / "v.jsonl.zst", out)
     stats = tokenize_shard(tmp_path / "v.jsonl.zst", tmp_path / "t.safetensors", tmp_path / "t.json", target[1],
-                           {"max_length": 4096})
+                           {"max_length": 4096, "retokenize_sample": 1.0})
     assert stats["from_text"] == 4
 
 

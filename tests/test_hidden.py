@@ -38,7 +38,7 @@ def tokenized_shard(tmp_path, tok):
         recs.append({"id": f"r{i}", "category": "chat", "text": "", "finish_reason": "stop",
                      "prompt_token_ids": p, "output_token_ids": o})
     write_jsonl_zst(tmp_path / "v.jsonl.zst", recs)
-    tokenize_shard(tmp_path / "v.jsonl.zst", tmp_path / "t.safetensors", tmp_path / "t.json", tok, {"max_length": 4096})
+    tokenize_shard(tmp_path / "v.jsonl.zst", tmp_path / "t.safetensors", tmp_path / "t.json", tok, {"max_length": 4096, "retokenize_sample": 1.0})
 
 
 def test_capture_shard(tmp_path, target, target_dir):

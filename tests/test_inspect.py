@@ -54,7 +54,7 @@ def test_filters_combine_and_json_is_the_whole_record(shards, capsys):
 def test_tokenized_rows_show_prompt_and_supervised_output(tmp_path, capsys, target, target_dir):
     tok = target[1]
     write_jsonl_zst(tmp_path / "v.jsonl.zst", [with_ids(tok, "a", "Two plus two is four.\n</think>\n\n4")])
-    tokenize_shard(tmp_path / "v.jsonl.zst", tmp_path / "t.safetensors", tmp_path / "t.json", tok, {"max_length": 4096})
+    tokenize_shard(tmp_path / "v.jsonl.zst", tmp_path / "t.safetensors", tmp_path / "t.json", tok, {"max_length": 4096, "retokenize_sample": 1.0})
     rc, out, _ = inspect(capsys, tmp_path / "t.safetensors", "--target", target_dir)
     assert rc == 0 and out.startswith("── a  [reasoning]")
     prompt, output = out.split("  prompt (loss 0):")[1].split("  output (loss 1):")
