@@ -16,9 +16,9 @@ and XML calls), split into shards. Per shard, in turn, in one run (the same nois
               messages + the assistant turn), in its own venv (``make specforge-venv``), timed by
               itself around the preprocessing only.
 
-All run on ``--threads`` cores (default 1: the pipeline runs one tokenize job per core): the
-Rust tokenizer's batch encode gets that many threads, SpecForge that many ``datasets.map``
-processes. Tokens/s count the tokens each produced. The tokenizer is the demo target's (byte-level BPE with
+All run on ``--threads`` cores (default 1: the pipeline runs one tokenize job per core), pinned
+to them with their threads and child processes: the Rust tokenizer's batch encode gets that many
+threads, SpecForge that many ``datasets.map`` processes. Tokens/s count the tokens each produced. The tokenizer is the demo target's (byte-level BPE with
 the Qwen3.5 pre-tokenizer and Qwen's special tokens, 4,096 ids): the real 248k vocabulary is not
 on this machine; all four use the same one.
 
@@ -97,6 +97,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="cores for each method (default 1)")
     a = ap.parse_args()
     os.environ["RAYON_NUM_THREADS"] = str(a.threads)  # before the tokenizer's first batch encode
+    # Every method gets the same cores, threads and child processes included.
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:a.threads])
     specforge = a.specforge_python.exists()
     if not specforge:
         print(f"{a.specforge_python} not found (make specforge-venv): SpecForge is left out", file=sys.stderr)

@@ -14,8 +14,9 @@ would get wrong, on a fixed sample of ``retokenize_sample``), and rows from text
 prompt is not a token prefix of the rendered conversation (``boundary_unstable`` of
 ``boundary_checked``, every record).
 
-Records are encoded in batches (the fast tokenizer's own parallel batch encode), which is what
-keeps the stage near the speed of a bare ``tokenizer(texts)`` call.
+Records are encoded in batches by the Rust tokenizer's batch encode (parallel over the job's
+threads, no character offsets), in a worker thread while the next batch is read and rendered:
+the stage runs at the speed of a bare ``tokenizer(texts)`` call (``bench/tokenize_throughput.py``).
 """
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ import logging
 import re
 import zlib
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -136,45 +139,71 @@ def sampled(record_id: str, fraction: float) -> bool:
     return fraction >= 1.0 or zlib.crc32(record_id.encode("utf-8")) < fraction * 2**32
 
 
-def rows_of_batch(recs: list[dict], enc: Encoder, cfg: dict, counts: Counter) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, output ids) of each record, in order; counts what could differ from the model's tokens."""
-    rows: list = [None] * len(recs)
-    by_ids = [i for i, r in enumerate(recs) if r.get("prompt_token_ids") is not None
-              and r.get("output_token_ids") is not None]
-    with_ids = set(by_ids)
-    by_text = [i for i in range(len(recs)) if i not in with_ids]
-    if by_ids:
-        outs = [recs[i]["output_token_ids"] for i in by_ids]
-        bodies = [o[:-1] if o and o[-1] in enc.stop_ids else o for o in outs]
-        exact = []
-        for i, body, text in zip(by_ids, bodies, enc.decode(bodies)):
-            rows[i] = (recs[i]["prompt_token_ids"], recs[i]["output_token_ids"])
-            if text != recs[i]["text"]:
-                counts["text_mismatch"] += 1
-                log.warning("%s: decoded output ids differ from the record's text", recs[i]["id"])
-            elif sampled(recs[i]["id"], cfg["retokenize_sample"]):
-                exact.append((i, body))
-        # what the text path would have made of these records (a sampler need not pick the
-        # tokenizer's own split): how much rows from text would differ from the model's tokens
-        retokenized = enc.encode([recs[i]["text"] for i, _ in exact])
-        counts["retokenize_checked"] += len(exact)
-        counts["retokenize_differs"] += sum(ids != body for (_, body), ids in zip(exact, retokenized))
-        counts["from_ids"] += len(by_ids)
-    if by_text:
-        prompts = [render_prompt(recs[i], enc.tokenizer) for i in by_text]
-        encoded = enc.encode(prompts + [recs[i]["text"] for i in by_text])
-        prompt_ids = encoded[:len(by_text)]
-        for n, i in enumerate(by_text):
-            output = encoded[len(by_text) + n]
-            rows[i] = (prompt_ids[n], output + [enc.end_of_turn] if recs[i]["finish_reason"] == "stop" else output)
-        stable = enc.boundaries_stable(prompts, prompt_ids, [render_conversation(recs[i], enc.tokenizer) for i in by_text])
-        for i, ok in zip(by_text, stable):
+class Batch:
+    """Records tokenized together in two halves: ``__init__`` does what needs the GIL (reading the
+    ids, decoding, rendering prompts) and lists the texts to encode; ``rows`` takes their
+    encodings and builds the rows. The encode in between runs in Rust without the GIL, so the
+    next batch is prepared while this one encodes."""
+
+    def __init__(self, recs: list[dict], enc: Encoder, cfg: dict, counts: Counter):
+        self.recs, self.enc, self.counts = recs, enc, counts
+        self.rows: list = [None] * len(recs)
+        self.by_ids = [i for i, r in enumerate(recs) if r.get("prompt_token_ids") is not None
+                       and r.get("output_token_ids") is not None]
+        with_ids = set(self.by_ids)
+        self.by_text = [i for i in range(len(recs)) if i not in with_ids]
+        self.exact: list[tuple[int, list[int]]] = []
+        if self.by_ids:
+            outs = [recs[i]["output_token_ids"] for i in self.by_ids]
+            bodies = [o[:-1] if o and o[-1] in enc.stop_ids else o for o in outs]
+            for i, body, text in zip(self.by_ids, bodies, enc.decode(bodies)):
+                self.rows[i] = (recs[i]["prompt_token_ids"], recs[i]["output_token_ids"])
+                if text != recs[i]["text"]:
+                    counts["text_mismatch"] += 1
+                    log.warning("%s: decoded output ids differ from the record's text", recs[i]["id"])
+                elif sampled(recs[i]["id"], cfg["retokenize_sample"]):
+                    self.exact.append((i, body))
+            counts["from_ids"] += len(self.by_ids)
+        self.prompts = [render_prompt(recs[i], enc.tokenizer) for i in self.by_text]
+        # what the text path would have made of the sampled id records (a sampler need not pick
+        # the tokenizer's own split), then the prompts and texts of the records without ids
+        self.texts = [recs[i]["text"] for i, _ in self.exact] + self.prompts + [recs[i]["text"] for i in self.by_text]
+
+    def finish(self, encoded: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+        """(prompt ids, output ids) of each record, in order."""
+        recs, enc, counts, n = self.recs, self.enc, self.counts, len(self.by_text)
+        retokenized, prompt_ids, outputs = (encoded[:len(self.exact)], encoded[len(self.exact):len(self.exact) + n],
+                                            encoded[len(self.exact) + n:])
+        counts["retokenize_checked"] += len(self.exact)
+        counts["retokenize_differs"] += sum(ids != body for (_, body), ids in zip(self.exact, retokenized))
+        if not n:
+            return self.rows
+        for i, prompt, output in zip(self.by_text, prompt_ids, outputs):
+            self.rows[i] = (prompt, output + [enc.end_of_turn] if recs[i]["finish_reason"] == "stop" else output)
+        stable = enc.boundaries_stable(self.prompts, prompt_ids,
+                                       [render_conversation(recs[i], enc.tokenizer) for i in self.by_text])
+        for i, ok in zip(self.by_text, stable):
             if not ok:
                 log.warning("%s: the rendered prompt is not a token prefix of the rendered conversation", recs[i]["id"])
-        counts["from_text"] += len(by_text)
-        counts["boundary_checked"] += len(by_text)
+        counts["from_text"] += n
+        counts["boundary_checked"] += n
         counts["boundary_unstable"] += stable.count(False)
-    return rows
+        return self.rows
+
+
+def batches(records, enc: Encoder, cfg: dict, counts: Counter) -> Iterator[tuple[list[dict], list]]:
+    """(records, their (prompt ids, output ids)) per batch; batch k encodes in a worker thread
+    while batch k+1 is read and rendered and batch k-1's rows are finished."""
+    with ThreadPoolExecutor(1) as pool:
+        previous = None
+        while recs := list(islice(records, BATCH)):
+            batch = Batch(recs, enc, cfg, counts)
+            encoding = pool.submit(enc.encode, batch.texts)
+            if previous is not None:
+                yield previous[0].recs, previous[0].finish(previous[1].result())
+            previous = batch, encoding
+        if previous is not None:
+            yield previous[0].recs, previous[0].finish(previous[1].result())
 
 
 def tokenize_shard(validated_path: Path, out_tensors: Path, out_index: Path, tokenizer, cfg: dict) -> dict:
@@ -185,10 +214,9 @@ def tokenize_shard(validated_path: Path, out_tensors: Path, out_index: Path, tok
     rows = []
     counts = Counter()
     trainable_by_cat: dict[str, list[int]] = defaultdict(list)
-    records = iter_jsonl(validated_path)
     bar = progress(desc=f"tokenize {Path(validated_path).name}", unit="record")
-    while batch := list(islice(records, BATCH)):
-        for rec, (prompt, output) in zip(batch, rows_of_batch(batch, enc, cfg, counts)):
+    for batch, batch_rows in batches(iter_jsonl(validated_path), enc, cfg, counts):
+        for rec, (prompt, output) in zip(batch, batch_rows):
             length = len(prompt) + len(output)
             if length > max_length:
                 length = max_length
