@@ -164,6 +164,25 @@ def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
     return reasoning.removeprefix("<think>"), content
 
 
+def opens_think(prompt: dict, tokenizer) -> bool:
+    """Whether the template's generation prompt already opens the think block (Qwen3.5/3.6 do)."""
+    from dflash.tokenize import render_prompt
+
+    rendered = render_prompt({**prompt, "generation": {"enable_thinking": True}}, tokenizer)
+    return rendered.rstrip("\n").endswith("<think>")
+
+
+def served_output(prompt: dict, message: dict, thinking: bool, finish_reason: str, server: str, tool_format: str,
+                  tokenizer) -> tuple[str, bool]:
+    """``rebuild_text`` for a reply to ``prompt``: with a template whose generation prompt stops
+    before ``<think>`` (Qwen3 hybrid) the model wrote the tag itself, and both servers' reasoning
+    parsers drop it."""
+    text, verbatim = rebuild_text(message, thinking, finish_reason, server, tool_format)
+    if thinking and text and not opens_think(prompt, tokenizer):
+        text = "<think>" + text
+    return text, verbatim
+
+
 def adopted_record(prompt: dict, tokenizer, stop_ids: set[int]) -> dict:
     """The completion record of an imported generation (``prompt["meta"]["imported"]``): with
     token ids, ``text`` is their decoding; without, it is rebuilt from the parsed fields."""
@@ -175,8 +194,8 @@ def adopted_record(prompt: dict, tokenizer, stop_ids: set[int]) -> dict:
         text, verbatim = tokenizer.decode(out[:-1] if out and out[-1] in stop_ids else out,
                                           skip_special_tokens=False), True
     else:
-        text, verbatim = rebuild_text(imp["message"], thinking, imp["finish_reason"], imp["server"],
-                                      imp["tool_format"])
+        text, verbatim = served_output(prompt, imp["message"], thinking, imp["finish_reason"], imp["server"],
+                                       imp["tool_format"], tokenizer)
     reasoning, content = split_reasoning(text, thinking)
     usage = imp["usage"]
     return {"id": prompt["id"], "prompt_id": prompt["id"],

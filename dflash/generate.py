@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.adopt import adopted_record, rebuild_text, split_reasoning
+from dflash.adopt import adopted_record, served_output, split_reasoning
 from dflash.io import atomic_path, iter_jsonl, write_json, write_jsonl_zst
 from dflash.server import wait_for_service
 from dflash.target import stop_token_ids
@@ -199,7 +199,7 @@ class OpenAIBackend:
             text, reconstructed = self.tokenizer.decode(body_ids, skip_special_tokens=False), False
         else:
             server = "vllm" if self.dialect == "vllm" else "sglang"  # a plain OpenAI server strips nothing
-            text, _ = rebuild_text(choice["message"], thinking, finish, server)
+            text, _ = served_output(prompt, choice["message"], thinking, finish, server, "xml", self.tokenizer)
             reconstructed = True
         return Generation(text, finish, prompt_ids, output_ids, usage.get("prompt_tokens", len(prompt_ids or [])),
                           usage.get("completion_tokens", len(output_ids or [])), reconstructed)

@@ -250,14 +250,34 @@ def test_bad_lines_name_file_and_line(tmp_path, tok, target_dir, line, message):
         adopt(tmp_path, tok, target_dir, [line])
 
 
-def test_adopted_record_without_a_model():
+def test_adopted_record_restores_the_think_tag_a_qwen3_model_writes_itself(tok):
+    """Qwen3 hybrid templates end the generation prompt at the assistant header: the model opens
+    <think> itself and the servers' reasoning parsers drop the tag."""
+    import copy
+
+    qwen3 = copy.deepcopy(tok)
+    qwen3.chat_template = tok.chat_template.replace("{{- '<think>\\n' -}}", "")
+    prompt = {"id": "0123456789abcdef", "source": "s", "category": "chat", "messages": ASK, "tools": None,
+              "meta": {"imported": {"server": "sglang", "tool_format": "hermes", "model": "m", "enable_thinking": True,
+                                    "sampling": {"temperature": None, "top_p": None, "top_k": None, "seed": None,
+                                                 "max_tokens": None},
+                                    "message": {"content": "\n\nC", "reasoning_content": "\nR\n"},
+                                    "finish_reason": "stop", "usage": {}, "prompt_token_ids": None,
+                                    "output_token_ids": None}}}
+    assert qwen3.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False).endswith("assistant\n")
+    rec = adopted_record(prompt, qwen3, set())
+    assert (rec["text"], rec["reasoning"], rec["content"]) == ("<think>\nR\n</think>\n\nC", "\nR\n", "\n\nC")
+    assert adopted_record(prompt, tok, set())["text"] == "\nR\n</think>\n\nC"  # Qwen3.6 opened it in the prompt
+
+
+def test_adopted_record_splits_reasoning_and_content(tok):
     prompt = {"id": "0123456789abcdef", "source": "s", "category": "chat", "messages": ASK, "tools": None,
               "meta": {"imported": {"server": "sglang", "tool_format": "xml", "model": "m", "enable_thinking": True,
                                     "sampling": {"temperature": None, "top_p": None, "top_k": None, "seed": None,
                                                  "max_tokens": None},
                                     "message": {"content": "\n\nC", "reasoning_content": "R\n"}, "finish_reason": "stop",
                                     "usage": {}, "prompt_token_ids": None, "output_token_ids": None}}}
-    rec = adopted_record(prompt, None, set())
+    rec = adopted_record(prompt, tok, set())
     assert (rec["text"], rec["reasoning"], rec["content"]) == ("R\n</think>\n\nC", "R\n", "\n\nC")
 
 
