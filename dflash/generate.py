@@ -392,7 +392,12 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
             tokenizer = AutoTokenizer.from_pretrained(target_dir)
             stop = stop_token_ids(tokenizer)
             for prompt in adopted:
-                finish([adopted_record(prompt, tokenizer, stop)])
+                try:
+                    rec = adopted_record(prompt, tokenizer, stop)
+                except Exception as e:  # the template refusing the request, say: name the logged line
+                    raise ValueError(f"adopted record {prompt['id']} (source {prompt['source']}, line "
+                                     f"{prompt['meta']['index'] + 1}): {type(e).__name__}: {e}") from None
+                finish([rec])
         if concurrency == 1:
             for prompt in pending:
                 finish(generate_conversation(prompt, backend, sampling, thinking))

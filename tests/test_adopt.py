@@ -244,6 +244,8 @@ def test_adopted_from_s3(tmp_path, tok, target_dir, s3):
      "logged.jsonl.zst:1: cannot tell whether SGLang or vLLM answered"),
     ({"request": request(ASK, thinking=False), "response": sglang_response({"content": "x", "reasoning_content": "R"})},
      "logged.jsonl.zst:1: reasoning in a reply generated with thinking off"),
+    ({"request": request([*ASK, {"role": "system", "content": "late"}]), "response": sglang_response({"content": "x"})},
+     "source logged, line 1\\): TemplateError: The system message must be the first message"),
 ])
 def test_bad_lines_name_file_and_line(tmp_path, tok, target_dir, line, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
