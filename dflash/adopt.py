@@ -186,13 +186,14 @@ def served_output(prompt: dict, message: dict, thinking: bool, finish_reason: st
 def adopted_record(prompt: dict, tokenizer, stop_ids: set[int]) -> dict:
     """The completion record of an imported generation (``prompt["meta"]["imported"]``): with
     token ids, ``text`` is their decoding; without, it is rebuilt from the parsed fields."""
+    from dflash.target import output_body  # torch: not for the prompts stage, which imports this module
+
     imp = prompt["meta"]["imported"]
     thinking = imp["enable_thinking"]
     has_ids = imp["prompt_token_ids"] is not None and imp["output_token_ids"] is not None
     if has_ids:
         out = imp["output_token_ids"]
-        text, verbatim = tokenizer.decode(out[:-1] if out and out[-1] in stop_ids else out,
-                                          skip_special_tokens=False), True
+        text, verbatim = tokenizer.decode(output_body(out, stop_ids), skip_special_tokens=False), True
     else:
         text, verbatim = served_output(prompt, imp["message"], thinking, imp["finish_reason"], imp["server"],
                                        imp["tool_format"], tokenizer)

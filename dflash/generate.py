@@ -23,7 +23,7 @@ import torch
 from dflash.adopt import adopted_record, served_output, split_reasoning
 from dflash.io import atomic_path, iter_jsonl, write_json, write_jsonl_zst
 from dflash.server import wait_for_service
-from dflash.target import stop_token_ids
+from dflash.target import output_body, stop_token_ids
 from dflash.toolcalls import parse_tool_calls, text_before_calls
 from dflash.workflow import progress
 
@@ -195,8 +195,8 @@ class OpenAIBackend:
         output_ids = choice.get("token_ids") or choice.get("response_token_ids")
         usage = response.get("usage") or {}
         if output_ids is not None:
-            body_ids = output_ids[:-1] if output_ids and output_ids[-1] in self.stop else output_ids
-            text, reconstructed = self.tokenizer.decode(body_ids, skip_special_tokens=False), False
+            text = self.tokenizer.decode(output_body(output_ids, self.stop), skip_special_tokens=False)
+            reconstructed = False
         else:
             server = "vllm" if self.dialect == "vllm" else "sglang"  # a plain OpenAI server strips nothing
             text, _ = served_output(prompt, choice["message"], thinking, finish, server, "xml", self.tokenizer)

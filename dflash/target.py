@@ -244,6 +244,11 @@ def stop_token_ids(tokenizer, generation_config=None) -> set[int]:
     return {i for i in ids if i is not None and i != tokenizer.unk_token_id}
 
 
+def output_body(ids: list[int], stop_ids: set[int]) -> list[int]:
+    """Output ids without the final stop token: the ids whose decoding is a record's ``text``."""
+    return ids[:-1] if ids and ids[-1] in stop_ids else ids
+
+
 def load_target(path: str | Path, dtype=torch.float32):
     """(model, tokenizer) from a model folder, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

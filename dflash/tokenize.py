@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import save_file
 
 from dflash.io import atomic_path, iter_jsonl, write_json
-from dflash.target import stop_token_ids
+from dflash.target import output_body, stop_token_ids
 from dflash.workflow import progress
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class Batch:
         self.exact: list[tuple[int, list[int]]] = []
         if self.by_ids:
             outs = [recs[i]["output_token_ids"] for i in self.by_ids]
-            bodies = [o[:-1] if o and o[-1] in enc.stop_ids else o for o in outs]
+            bodies = [output_body(o, enc.stop_ids) for o in outs]
             for i, body, text in zip(self.by_ids, bodies, enc.decode(bodies)):
                 self.rows[i] = (recs[i]["prompt_token_ids"], recs[i]["output_token_ids"])
                 if text != recs[i]["text"]:
