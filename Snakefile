@@ -6,7 +6,8 @@ import sys
 from snakemake.utils import min_version, validate
 
 from dflash.config import check_config, schema_path
-from dflash.workflow import demo_target_sources, layer_selection, record_settings, shard_ids, target_dir
+from dflash.workflow import (demo_target_sources, layer_selection, prompt_check_settings, record_settings, shard_ids,
+                             target_dir)
 
 min_version("9.0")
 

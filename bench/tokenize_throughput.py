@@ -41,7 +41,8 @@ from validate_throughput import make_record  # bench/ is on the path when run as
 
 from dflash.config import load_config
 from dflash.io import write_jsonl_zst
-from dflash.tokenize import render_prompt, tokenize_shard
+from dflash.chat import render_prompt
+from dflash.tokenize import tokenize_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,13 +10,20 @@ import sys
 from pathlib import Path
 
 from dflash.config import ConfigError, load_config
+from dflash.errors import debug_requested, describe
 from dflash.workflow import demo_target_sources, drafter_train_cfg, layer_selection, set_threads, setup_logging
 
 
 def _prompts(cfg, a):
-    from dflash.prompts import build_prompts
+    from dflash.prompts import build_prompts, prompt_checks
+    from dflash.workflow import prompt_check_settings, target_dir
 
-    build_prompts(cfg["prompts"]["sources"], a.out, cfg["prompts"]["shard_size"])
+    target = a.target or target_dir(cfg)
+    if not Path(target).is_dir():
+        raise FileNotFoundError(f"{target}: no target model folder; its tokenizer and template screen the prompts: "
+                                f"build it (snakemake {target}) or give --target")
+    build_prompts(cfg["prompts"]["sources"], a.out, cfg["prompts"]["shard_size"],
+                  prompt_checks(target, prompt_check_settings(cfg)))
 
 
 def _target(cfg, a):
@@ -71,22 +78,23 @@ def _report(cfg, a):
 
 
 def _inspect(a) -> int:
-    from dflash.inspect import inspect
+    from dflash.inspect import check_filters, inspect
 
+    check_filters(category=a.category, reason=a.reason, flag=a.flag)
     tokenizer = None
     if a.target:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(a.target)
-    shown = 0
+    shown = matched = 0
     for path in a.shards:
-        shown += inspect(path, a.category, a.reason, a.flag, a.id, max(0, a.limit - shown) if a.limit else 0,
-                         a.json, a.full, tokenizer)
-        if a.limit and shown >= a.limit:
-            break
+        # past the limit a shard is still read, to count what matches
+        more, found = inspect(path, a.category, a.reason, a.flag, a.id, a.limit - shown if a.limit else None,
+                              a.json, a.full, tokenizer)
+        shown, matched = shown + more, matched + found
     if not a.json:
-        print(f"{shown} record(s) shown" + (f" (--limit {a.limit})" if a.limit and shown >= a.limit else ""),
-              file=sys.stderr)
+        print(f"{shown} of {matched} shown"
+              + (f" (--limit {a.limit}; --limit 0 shows all)" if shown < matched else ""), file=sys.stderr)
     return 0
 
 
@@ -125,14 +133,18 @@ def _cache_size(cfg, a):
 
 
 def parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the traceback of a failure (also DFLASH_DEBUG=1)")
     p = argparse.ArgumentParser(
-        prog="dflash",
-        description="Run one pipeline stage on explicit paths, exactly as its Snakemake rule does.",
+        prog="dflash", parents=[common],
+        description="Run one pipeline stage on explicit paths, exactly as its Snakemake rule does. A failure is "
+                    "one line naming the file, line or id; --debug (or DFLASH_DEBUG=1) shows its traceback.",
     )
     sub = p.add_subparsers(dest="stage", required=True, metavar="STAGE")
 
     def stage(name, fn, help, *args):
-        s = sub.add_parser(name, help=help, description=help)
+        s = sub.add_parser(name, help=help, description=help, parents=[common])
         s.add_argument("--config", default="config.yaml", type=Path, help="pipeline config (default: config.yaml)")
         s.add_argument("--threads", type=int, default=None, help="torch threads (default: the config's)")
         for flag, kw in args:
@@ -142,7 +154,8 @@ def parser() -> argparse.ArgumentParser:
     path = {"type": Path, "required": True}
     paths = {"type": Path, "nargs": "+", "required": True}
     target = ("--target", {"type": Path, "required": True, "help": "target model folder"})
-    stage("prompts", _prompts, "source files of the config -> prompt shards folder", ("--out", path))
+    stage("prompts", _prompts, "source files of the config -> prompt shards folder", ("--out", path),
+          ("--target", {"type": Path, "help": "target model folder (default: the config's)"}))
     stage("target", _target, "build and teach the tiny demo target", ("--out", path))
     stage("generate", _generate, "prompt shard -> completion shard",
           ("--prompts", path), target, ("--out", path),
@@ -167,7 +180,7 @@ def parser() -> argparse.ArgumentParser:
           ("--tokenized", {"type": Path, "nargs": "*", "help": "tokenized shard indexes (.json) to count"}),
           ("--target", {"type": Path, "help": "target model folder (default: the config's)"}))
     inspect = sub.add_parser(
-        "inspect", help="print records of any stage's shard (local or s3://), filtered",
+        "inspect", parents=[common], help="print records of any stage's shard (local or s3://), filtered",
         description="Print the records of prompt, completion, validated, rejected, tokenized or hidden-state "
                     "shards, local or s3:// (boto3; AWS_ENDPOINT_URL for other S3 servers). Filters combine.")
     inspect.add_argument("shards", nargs="+", help="shard files (.jsonl.zst, .jsonl, .safetensors)")
@@ -180,7 +193,7 @@ def parser() -> argparse.ArgumentParser:
     inspect.add_argument("--target", type=Path, help="target model folder: decode tokenized rows")
     inspect.set_defaults(run=_inspect)
     adopt = sub.add_parser(
-        "adopt", help="logged SGLang/vLLM chat completions -> a completion shard (no generation)",
+        "adopt", parents=[common], help="logged SGLang/vLLM chat completions -> a completion shard (no generation)",
         description="Turn logged chat-completion exchanges ({request, response} lines, or OpenAI batch lines; "
                     "local or s3://) into completion records, text rebuilt as the model emitted it. In a "
                     "pipeline run, give the files as prompt sources with format: chat_completions instead.")
@@ -199,26 +212,26 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     setup_logging()
-    if hasattr(args, "run"):  # needs no pipeline config
-        try:
+    try:
+        if hasattr(args, "run"):  # needs no pipeline config
             return args.run(args)
-        except (ValueError, FileNotFoundError) as e:
-            print(f"dflash {args.stage}: {e}", file=sys.stderr)
-            return 1
-        except BrokenPipeError:  # piped into head
-            return 0
-    try:
-        cfg = load_config(args.config)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"dflash {args.stage}: {e}", file=sys.stderr)
-        return 2
-    set_threads(args.threads or cfg["threads"])
-    try:
+        try:
+            cfg = load_config(args.config)
+        except (ConfigError, FileNotFoundError) as e:
+            print(f"dflash {args.stage}: {describe(e)}", file=sys.stderr)
+            return 2
+        set_threads(args.threads or cfg["threads"])
         args.fn(cfg, args)
-    except (ValueError, FileNotFoundError) as e:  # bad input: the message names the file, line or id
-        print(f"dflash {args.stage}: {e}", file=sys.stderr)
+        return 0
+    except BrokenPipeError:  # piped into head
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        if getattr(args, "debug", False) or debug_requested():
+            raise
+        print(f"dflash {args.stage}: {describe(e)}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

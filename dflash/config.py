@@ -8,15 +8,17 @@ from __future__ import annotations
 import copy
 import difflib
 import re
+import shlex
+import string
 from importlib import resources
 from pathlib import Path
 
 import yaml
 from jsonschema import Draft202012Validator, validators
 
-from dflash.server import command_problem
-
 SCHEMA_FILE = "schemas/config.schema.yaml"
+# What a generate.server.launch command may name; the serve rule fills them in.
+PLACEHOLDERS = ("model", "host", "port", "served_model_name")
 
 
 class ConfigError(ValueError):
@@ -69,6 +71,32 @@ def _describe(error, schema: dict, source: str) -> str:
             hints.append(f"unknown key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
         return f"{source}: at {where}: {'; '.join(hints)}. Allowed keys: {', '.join(allowed)}"
     return f"{source}: at {where}: {error.message}"
+
+
+def command_problem(template: str) -> str | None:
+    """What is wrong with a ``generate.server.launch.command`` template, or None."""
+    braces = "a literal brace is written {{ or }}"
+    try:
+        tokens = shlex.split(template)
+    except ValueError as e:
+        return f"not a valid command line: {e}"
+    if not tokens:
+        return "the command is empty"
+    try:
+        fields = {f for token in tokens for _, f, _, _ in string.Formatter().parse(token) if f is not None}
+    except ValueError as e:
+        return f"{e} ({braces})"
+    unknown = sorted(fields - set(PLACEHOLDERS))
+    if unknown:
+        return (f"unknown placeholder {', '.join('{' + f + '}' for f in unknown)}; known: "
+                f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)} ({braces})")
+    return None
+
+
+def render_command(template: str, **values) -> list[str]:
+    """The argv of a command template: split like a shell line before the placeholders are filled,
+    so a value with spaces (a model path) stays one argument."""
+    return [token.format(**values) for token in shlex.split(template)]
 
 
 def _between_keys(config: dict) -> list[tuple[str, str]]:

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 
+from dflash.chat import render, stop_token_ids
 from dflash.drafter import DFlashDraftModel, TargetIO, load_drafter
 from dflash.hidden import forward_features
-from dflash.target import stop_token_ids
 from dflash.train import pick_device
 from dflash.workflow import progress
 
@@ -135,8 +135,10 @@ def evaluate(target_dir: Path, drafter_dir: Path | None, prompts: list[dict], cf
 
     samples = []
     for prompt in progress(prompts, desc="spec decode"):
-        text = tokenizer.apply_chat_template(prompt["messages"], tools=prompt.get("tools") or None,
-                                             add_generation_prompt=True, enable_thinking=True, tokenize=False)
+        try:
+            text = render(prompt["messages"], prompt.get("tools"), tokenizer, thinking=True)
+        except ValueError as e:
+            raise ValueError(f"held-out prompt {prompt['id']}: {e}") from None
         prompt_ids = tokenizer.encode(text, add_special_tokens=False)
         out, forwards = speculative_generate(target, drafter, io, prompt_ids, cfg["max_new_tokens"], stop_ids,
                                              cfg["block_size"])

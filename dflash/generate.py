@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import random
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -20,14 +21,16 @@ from pathlib import Path
 
 import torch
 
-from dflash.adopt import adopted_record, served_output, split_reasoning
-from dflash.io import atomic_path, iter_jsonl, write_json, write_jsonl_zst
+from dflash.adopt import adopted_record
+from dflash.chat import finish_reason, output_body, render, served_output, split_reasoning, stop_token_ids
+from dflash.errors import describe
+from dflash.io import atomic_path, iter_jsonl, naming_full_disk, write_json, write_jsonl_zst
 from dflash.server import wait_for_service
-from dflash.target import output_body, stop_token_ids
 from dflash.toolcalls import parse_tool_calls, text_before_calls
 from dflash.workflow import progress
 
 log = logging.getLogger(__name__)
+
 
 def resolve_sampling(cfg: dict, generation_config) -> dict:
     """Sampling params from config, unset ones taken from the model's generation_config."""
@@ -73,9 +76,7 @@ class TransformersBackend:
 
     @torch.no_grad()
     def generate(self, prompt: dict, sampling: dict, thinking: bool, seed: int) -> Generation:
-        text = self.tokenizer.apply_chat_template(prompt["messages"], tools=prompt.get("tools"),
-                                                  add_generation_prompt=True, enable_thinking=thinking,
-                                                  tokenize=False)
+        text = render(prompt["messages"], prompt.get("tools"), self.tokenizer, thinking)
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         torch.manual_seed(seed)
         greedy = sampling["temperature"] == 0
@@ -96,12 +97,20 @@ class TransformersBackend:
                           len(prompt_ids), len(ids))
 
 
+class ServerDown(ConnectionError):
+    """The server stopped answering: every recent request failed to connect, none succeeded."""
+
+
 class OpenAIBackend:
     """Any OpenAI-compatible chat server (SGLang, vLLM, ``transformers serve`` ...), one request
     at a time. The ``dialect`` decides which non-standard fields are sent (servers such as
     ``transformers serve`` refuse unknown ones) and where exact token ids come back. Without ids,
     ``text`` is rebuilt from the parsed reasoning, content and tool calls and the record is marked
-    ``generation.reconstructed``."""
+    ``generation.reconstructed``.
+
+    ``max_connection_failures`` connection failures in a row (over all threads, no reply in
+    between) mean the server is gone: every request then ends at once with ``ServerDown`` instead
+    of retrying each remaining prompt with backoff (an hour for a 5,000-prompt shard)."""
 
     name = "openai"
     ID_REQUESTS = {"openai": {}, "vllm": {"return_token_ids": True, "skip_special_tokens": False},
@@ -120,8 +129,13 @@ class OpenAIBackend:
         self.retries = server["retries"]
         self.extra_body = server["extra_body"]
         self.retries_done = 0
+        self.max_failures = server["max_connection_failures"]
+        self.failures_in_a_row = 0
+        self.lock = threading.Lock()
+        self.down = threading.Event()  # set once the server is judged gone; wakes threads in backoff
+        self.down_reason = ""
         self.model_name = server["model"] or str(target_dir)
-        key = os.environ.get(server["api_key_env"]) if server.get("api_key_env") else None
+        self.key = key = os.environ.get(server["api_key_env"]) if server.get("api_key_env") else None
         self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         try:
@@ -134,26 +148,50 @@ class OpenAIBackend:
     def generation_config(self):
         return self._generation_config
 
+    def redact(self, text: str) -> str:
+        """``text`` (a server's error body, say) with the API key blanked out, for logs and records."""
+        return text.replace(self.key, "[API key]") if self.key else text
+
+    def _answered(self) -> None:
+        with self.lock:
+            self.failures_in_a_row = 0
+
+    def _unreachable(self, error: str) -> None:
+        with self.lock:
+            self.failures_in_a_row += 1
+            if self.failures_in_a_row >= self.max_failures and not self.down.is_set():
+                self.down_reason = (f"{self.url}: {self.failures_in_a_row} connection failures in a row and no "
+                                    f"reply since (last: {error})")
+                self.down.set()
+
     def _post(self, body: dict) -> dict:
         data = json.dumps(body).encode("utf-8")
         for attempt in range(self.retries + 1):
+            if self.down.is_set():
+                raise ServerDown(self.down_reason)
             request = urllib.request.Request(f"{self.url}/chat/completions", data=data, headers=self.headers)
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
                     raw = response.read()
+                self._answered()
                 try:
                     return json.loads(raw)
                 except json.JSONDecodeError:
-                    raise ValueError(f"malformed response from {self.url}: not JSON: {raw[:200]!r}") from None
+                    raise ValueError(f"malformed response from {self.url}: not JSON: "
+                                     f"{self.redact(repr(raw[:200]))}") from None
             except urllib.error.HTTPError as e:
-                detail = e.read().decode("utf-8", "replace")[:500]
+                self._answered()
+                detail = self.redact(e.read().decode("utf-8", "replace")[:500])
                 if e.code not in (408, 429) and e.code < 500 or attempt == self.retries:
                     raise RuntimeError(f"HTTP {e.code} from {self.url}: {detail}") from None
             except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+                error = self.redact(str(getattr(e, "reason", e)))
+                self._unreachable(error)
                 if attempt == self.retries:
-                    raise ConnectionError(f"{self.url}: {getattr(e, 'reason', e)}") from None
+                    raise ConnectionError(f"{self.url}: {error}") from None
             self.retries_done += 1  # a plain int: a lost update under threads only blurs a statistic
-            time.sleep(min(30.0, 2 ** attempt) * (0.5 + random.random()))
+            if self.down.wait(min(30.0, 2 ** attempt) * (0.5 + random.random())):
+                raise ServerDown(self.down_reason)
         raise AssertionError("unreachable")
 
     def request_body(self, prompt: dict, sampling: dict, thinking: bool, seed: int) -> dict:
@@ -189,11 +227,12 @@ class OpenAIBackend:
             choice = response["choices"][0]
             choice["message"]
         except (KeyError, IndexError, TypeError):
-            raise ValueError(f"malformed response from {self.url}: {json.dumps(response)[:300]}") from None
-        finish = {"tool_calls": "stop"}.get(choice.get("finish_reason"), choice.get("finish_reason") or "stop")
+            raise ValueError(f"malformed response from {self.url}: {self.redact(json.dumps(response)[:300])}") from None
         prompt_ids = response.get("prompt_token_ids") or choice.get("prompt_token_ids")
         output_ids = choice.get("token_ids") or choice.get("response_token_ids")
         usage = response.get("usage") or {}
+        finish = finish_reason(choice.get("finish_reason"), sampling["max_tokens"], self.stop, output_ids,
+                               usage.get("completion_tokens"))
         if output_ids is not None:
             text = self.tokenizer.decode(output_body(output_ids, self.stop), skip_special_tokens=False)
             reconstructed = False
@@ -237,6 +276,8 @@ def completion_record(prompt: dict, backend, sampling: dict, thinking: bool, ste
                   "sampling": sampling, "enable_thinking": thinking}
     try:
         g = backend.generate(prompt, sampling, thinking, sample_seed(sampling["seed"], prompt["id"], step))
+    except ServerDown:
+        raise  # no prompt can succeed: the job stops
     except Exception as e:  # one bad prompt must not cost the shard: it becomes an error record
         log.warning("prompt %s failed: %s: %s", record["id"], type(e).__name__, e)
         return {**record, "text": "", "reasoning": None, "content": "", "finish_reason": "error",
@@ -347,13 +388,16 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
 
     Each prompt's records are appended (and flushed) to the partial file once all are finished; a
     re-run skips the prompts already there. Failed prompts are not kept there, so a re-run retries
-    them. The shard appears only when every prompt id has exactly one set of records; more failed
-    prompts than ``max_error_fraction`` fail the job instead (finished ones stay for the re-run).
+    them. The shard and its summary appear only when every prompt id has exactly one set of
+    records; more failed prompts than ``max_error_fraction``, or a server that stopped answering,
+    fail the job instead (finished ones stay for the re-run).
     """
     prompts = list(iter_jsonl(prompts_path))
     ids = [p["id"] for p in prompts]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{prompts_path}: duplicate prompt ids")
+    twice = [i for i, n in Counter(ids).items() if n > 1]
+    if twice:
+        raise ValueError(f"{prompts_path}: prompt id {twice[0]} appears more than once ({len(twice)} duplicated ids); "
+                         f"every prompt id must be unique: re-run the prompts rule")
     partial = partial_path(out_path)
     done = load_partial(partial, set(ids))
     resumed = len(done)
@@ -372,7 +416,7 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
     errors: dict[str, list[dict]] = {}
     requests = tokens = 0
     bar = progress(total=len(pending) + len(adopted), desc=f"generate {name}", unit="prompt")
-    with open(partial, "a", encoding="utf-8") as sink:
+    with naming_full_disk(partial), open(partial, "a", encoding="utf-8") as sink:
         def finish(recs: list[dict]) -> None:
             nonlocal requests, tokens
             requests += len(recs)
@@ -396,16 +440,24 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
                     rec = adopted_record(prompt, tokenizer, stop)
                 except Exception as e:  # the template refusing the request, say: name the logged line
                     raise ValueError(f"adopted record {prompt['id']} (source {prompt['source']}, line "
-                                     f"{prompt['meta']['index'] + 1}): {type(e).__name__}: {e}") from None
+                                     f"{prompt['meta']['index'] + 1}): {describe(e)}") from None
                 finish([rec])
-        if concurrency == 1:
-            for prompt in pending:
-                finish(generate_conversation(prompt, backend, sampling, thinking))
-        else:
-            with ThreadPoolExecutor(concurrency) as pool:
-                futures = [pool.submit(generate_conversation, p, backend, sampling, thinking) for p in pending]
-                for future in as_completed(futures):
-                    finish(future.result())
+        try:
+            if concurrency == 1:
+                for prompt in pending:
+                    finish(generate_conversation(prompt, backend, sampling, thinking))
+            else:
+                with ThreadPoolExecutor(concurrency) as pool:
+                    futures = [pool.submit(generate_conversation, p, backend, sampling, thinking) for p in pending]
+                    try:
+                        for future in as_completed(futures):
+                            finish(future.result())
+                    finally:
+                        pool.shutdown(cancel_futures=True)
+        except ServerDown as e:
+            bar.close()
+            raise ServerDown(f"{e}: is the server down? The {len(done)} finished prompts of {name} are kept in "
+                             f"{partial}: start the server and re-run to resume") from None
     bar.close()
     seconds = time.time() - t0
     records = [r for i in ids for r in (done.get(i) or errors[i])]
@@ -425,12 +477,13 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
         "output_tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
     }
     log.info("generate %s: %s", name, summary)
-    if summary_path is not None:
-        write_json(summary_path, summary)
     if len(errors) > cfg["max_error_fraction"] * len(prompts):
         example = next(r["error"] for recs in errors.values() for r in recs if r["error"])
         raise RuntimeError(f"{name}: {len(errors)} of {len(prompts)} prompts failed (e.g. {example}); "
                            f"the {len(done)} finished ones are kept in {partial}: re-run to resume")
     write_jsonl_zst(out_path, records)
+    # Only beside a finished shard: a failed job's summary would read like one.
+    if summary_path is not None:
+        write_json(summary_path, summary)
     partial.unlink()
     return summary

@@ -11,13 +11,17 @@ import shutil
 import textwrap
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
-from dflash.io import iter_jsonl, local_copy, read_json
+from dflash.io import check_zstd, iter_jsonl, local_copy, read_json
+
+# What a record is whole from its head (a JSONL record is its own head).
+Entry = tuple[dict, Callable[[], dict]]
 
 
-def _tensor_rows(path: Path, index_path: Path | None) -> Iterator[dict]:
-    """Rows of a tokenized or hidden-state shard, each sliced from the file as it is shown."""
+def _tensor_rows(path: Path, index_path: Path | None) -> Iterator[Entry]:
+    """(index entry, its row) of a tokenized or hidden-state shard: a row is sliced from the file
+    only when it is shown, so matching and counting read the index alone."""
     from safetensors import safe_open
 
     index = read_json(index_path)["rows"] if index_path else None
@@ -25,8 +29,9 @@ def _tensor_rows(path: Path, index_path: Path | None) -> Iterator[dict]:
         meta = f.metadata() or {}
         offsets = f.get_tensor("offsets").tolist()
         names = set(f.keys())
-        for row, (a, b) in enumerate(zip(offsets, offsets[1:])):
-            rec = {"row": row, **(index[row] if index else {}), "input_ids": f.get_slice("input_ids")[a:b].tolist()}
+
+        def row(head: dict, a: int, b: int) -> dict:
+            rec = {**head, "input_ids": f.get_slice("input_ids")[a:b].tolist()}
             if "loss_mask" in names:
                 rec["loss_mask"] = f.get_slice("loss_mask")[a:b].tolist()
             if "hidden_states" in names:
@@ -34,15 +39,38 @@ def _tensor_rows(path: Path, index_path: Path | None) -> Iterator[dict]:
                 rec["hidden"] = {"shape": list(h.shape), "dtype": meta.get("dtype"),
                                  "target_layer_ids": json.loads(meta.get("target_layer_ids", "[]")),
                                  "rms_per_layer": [round(x, 4) for x in h.pow(2).mean(dim=(0, 2)).sqrt().tolist()]}
-            yield rec
+            return rec
+
+        for n, (a, b) in enumerate(zip(offsets, offsets[1:])):
+            head = {"row": n, **(index[n] if index else {})}
+            yield head, lambda head=head, a=a, b=b: row(head, a, b)
 
 
-def read_records(path: str) -> Iterator[dict]:
-    """Every record of a shard; a tensor shard's rows with their index entries."""
+def not_jsonl(path: str, local: Path) -> str | None:
+    """Why a file is no shard inspect can read, when it is a JSON document rather than records."""
+    with open(local, "rb") as f:
+        first = f.read(64).lstrip()
+    if not (local.suffix == ".json" or first[:1] == b"[" or first.startswith(b"{\n")):
+        return None
+    beside = str(path)[: -len(".json")] + ".safetensors" if str(path).endswith(".json") else None
+    hint = (f" (the rows of this tokenized shard are in {beside})" if beside and Path(beside).exists()
+            else f"; read it with `python -m json.tool {path}`")
+    return f"{path}: a JSON document, not JSONL records: inspect reads shards (.jsonl.zst, .jsonl, .safetensors){hint}"
+
+
+def read_entries(path: str) -> Iterator[Entry]:
+    """(head, whole record) of every record of a shard; a tensor shard's rows with their index
+    entries. A zstd shard is checked to its end first: a cut one prints nothing."""
     with ExitStack() as stack:
         local = stack.enter_context(local_copy(path))
         if local.suffix != ".safetensors":
-            yield from iter_jsonl(local)
+            problem = not_jsonl(path, local)
+            if problem:
+                raise ValueError(problem)
+            if local.suffix == ".zst":
+                check_zstd(local)
+            for rec in iter_jsonl(local):
+                yield rec, lambda rec=rec: rec
             return
         # The rows' index: beside a tokenized shard; a hidden-state shard has its tokenized shard's.
         # posixpath, not Path: it keeps the "//" of s3:// URLs.
@@ -58,11 +86,17 @@ def read_records(path: str) -> Iterator[dict]:
         yield from _tensor_rows(local, index_local)
 
 
+def read_records(path: str) -> Iterator[dict]:
+    """Every record of a shard, whole."""
+    for _, whole in read_entries(path):
+        yield whole()
+
+
 def matches(rec: dict, categories: list[str], reasons: list[str], flags: list[str], ids: list[str]) -> bool:
     qa = rec.get("qa") or {}
     return ((not categories or rec.get("category") in categories)
             and (not reasons or bool(set(reasons) & set(qa.get("reasons", []))))
-            and (not flags or bool(set(flags) & set(qa.get("flags", []))))
+            and (not flags or bool(set(flags) & set(qa.get("flags", []) + (rec.get("meta") or {}).get("flags", []))))
             and (not ids or rec.get("id") in ids or rec.get("prompt_id") in ids))
 
 
@@ -127,19 +161,41 @@ def render(rec: dict, limit: int | None = 1200, tokenizer=None) -> str:
     return "\n".join(lines)
 
 
-def inspect(path: str, categories=(), reasons=(), flags=(), ids=(), limit: int = 10, as_json: bool = False,
-            full: bool = False, tokenizer=None, out=None) -> int:
-    """Print the matching records of a shard (at most ``limit``; 0 for all). Returns how many."""
+def known_values() -> dict[str, list[str]]:
+    """The values each filter can match: the categories, the reason codes and the flag codes."""
+    from dflash.prompts import CATEGORIES
+    from dflash.validate import CHECKS
+
+    return {"category": list(CATEGORIES), "reason": [*CHECKS, "excluded"],
+            "flag": [*CHECKS, "special_tokens_in_content"]}
+
+
+def check_filters(**given: list[str]) -> None:
+    """An error listing the valid values when a filter names a value no record can have (a
+    misspelt code would otherwise match nothing, silently)."""
+    known = known_values()
+    for name, values in given.items():
+        unknown = [v for v in values if v not in known[name]]
+        if unknown:
+            raise ValueError(f"unknown --{name} {', '.join(map(repr, unknown))}; valid: {', '.join(known[name])}")
+
+
+def inspect(path: str, categories=(), reasons=(), flags=(), ids=(), limit: int | None = 10, as_json: bool = False,
+            full: bool = False, tokenizer=None, out=None) -> tuple[int, int]:
+    """Print the matching records of a shard (at most ``limit``; None for all). Returns (how many
+    were shown, how many match): the shard is read to its end to count them."""
     import sys
 
     out = out or sys.stdout
-    shown = 0
-    for rec in read_records(path):
-        if not matches(rec, list(categories), list(reasons), list(flags), list(ids)):
+    shown = matched = 0
+    for head, whole in read_entries(path):
+        if not matches(head, list(categories), list(reasons), list(flags), list(ids)):
             continue
+        matched += 1
+        if limit is not None and shown >= limit:
+            continue
+        rec = whole()
         out.write((json.dumps(rec, ensure_ascii=False) if as_json else render(rec, None if full else 1200, tokenizer))
                   + "\n")
         shown += 1
-        if limit and shown >= limit:
-            break
-    return shown
+    return shown, matched

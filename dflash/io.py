@@ -2,9 +2,12 @@
 
 Every stage writes through ``atomic_path``: the data goes to a temp file beside the target and is
 renamed into place only when complete, so a killed job never leaves a file that looks finished.
+Every zstd frame carries a checksum and is read to its end: a cut or damaged shard is an error
+naming the file, never a shorter shard.
 """
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -24,17 +27,66 @@ def shard_name(index: int, suffix: str = ".jsonl.zst") -> str:
     return f"shard-{index:05d}{suffix}"
 
 
+class DiskFull(OSError):
+    """No space left for a file being written; the message names it."""
+
+    def __init__(self, path: Path):
+        super().__init__(errno.ENOSPC, "no space left on device while writing it; free space there (or set "
+                                       "output_dir to a larger disk) and re-run", str(path))
+
+    def __str__(self) -> str:
+        return f"{self.filename}: {self.strerror}"
+
+
+def _no_space(e: BaseException) -> bool:
+    """Whether ``e`` is a full disk or quota, however the writer reports it (safetensors and torch
+    wrap the OS error in their own)."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(e) or "StorageFull" in str(e)
+
+
+@contextmanager
+def naming_full_disk(path: str | os.PathLike) -> Iterator[None]:
+    """Re-raise a full disk met inside the block as a ``DiskFull`` naming ``path``."""
+    try:
+        yield
+    except DiskFull:
+        raise
+    except Exception as e:
+        if _no_space(e):
+            raise DiskFull(Path(path)) from e
+        raise
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where /proc tells it."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp path in the target's folder; rename it onto ``path`` on success."""
+    """Yield a temp path in the target's folder; rename it onto ``path`` on success. The file gets
+    the mode a plain ``open()`` would give it (``mkstemp`` makes it private to its owner)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~umask())
     os.close(fd)
     tmp = Path(tmp)
     try:
-        yield tmp
-        os.replace(tmp, path)
+        with naming_full_disk(path):
+            yield tmp
+            os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -49,7 +101,8 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        yield tmp
+        with naming_full_disk(path):
+            yield tmp
         if path.exists():
             shutil.rmtree(path)
         tmp.rename(path)
@@ -62,7 +115,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
 def jsonl_zst_writer(path: str | os.PathLike, level: int = 3) -> Iterator[Callable[[bytes], int]]:
     """``write(line)`` for a zstd JSONL file that appears at ``path`` only when the block succeeds."""
     with atomic_path(path) as tmp, open(tmp, "wb") as raw:
-        with zstandard.ZstdCompressor(level=level).stream_writer(raw) as out:
+        with zstandard.ZstdCompressor(level=level, write_checksum=True).stream_writer(raw) as out:
             yield out.write
 
 
@@ -102,33 +155,124 @@ def _without_arrays(line: bytes, keys: tuple[bytes, ...]) -> bytes:
     return line
 
 
+class _ZstdCut(Exception):
+    pass
+
+
+class CheckedZstdReader(io.RawIOBase):
+    """The decompressed bytes of every frame of a zstd file, each frame read to its end.
+
+    ``ZstdDecompressor.stream_reader`` reads a file cut inside a frame as a shorter file, without
+    a word; this reader raises ``_ZstdCut`` instead, and ``ZstdError`` for data that is not zstd or
+    fails a frame's checksum."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.frame = None  # the frame being decompressed; None between frames
+        self.frames = 0
+        self.out = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        while not self.out:
+            chunk = self.raw.read(self.CHUNK)
+            if not chunk:
+                if self.frame is not None or not self.frames:
+                    raise _ZstdCut()
+                return 0
+            self.out = memoryview(self._decompress(chunk))
+        n = min(len(buf), len(self.out))
+        buf[:n] = self.out[:n]
+        self.out = self.out[n:]
+        return n
+
+    def _decompress(self, data: bytes) -> bytes:
+        parts = []
+        while data:
+            if self.frame is None:
+                self.frame = _DECOMPRESSOR.decompressobj(write_size=self.CHUNK)
+                self.frames += 1
+            parts.append(self.frame.decompress(data))
+            data = b""
+            if self.frame.eof:  # a next frame (concatenated files) starts in what is left
+                data, self.frame = self.frame.unused_data, None
+        return b"".join(parts)
+
+
+_DECOMPRESSOR = zstandard.ZstdDecompressor()
+
+
+def _stream_fault(path: Path, fault: Exception, records: int) -> ValueError:
+    """One line for a zstd stream that cannot be read to its end."""
+    if isinstance(fault, _ZstdCut):
+        return ValueError(f"{path}: truncated zstd stream ({records} records read before the cut); the file is "
+                          f"incomplete (an interrupted copy or write): copy it again, or delete it and re-run the "
+                          f"rule that writes it")
+    if "Unknown frame descriptor" in str(fault) and not records:
+        return ValueError(f"{path}: not a zstd file (a .zst name needs zstd-compressed JSONL; rename a plain "
+                          f"JSONL file to .jsonl)")
+    return ValueError(f"{path}: corrupt zstd stream ({fault}; {records} records read before the damage); "
+                      f"copy the file again, or delete it and re-run the rule that writes it")
+
+
+def check_zstd(path: str | os.PathLike) -> int:
+    """Read a zstd file to its end without parsing it: its number of lines, or the error every
+    reader would raise. For readers that print as they go (``dflash inspect``)."""
+    path, lines = Path(path), 0
+    with open(path, "rb") as raw:
+        reader = CheckedZstdReader(raw)
+        try:
+            while chunk := reader.read(1 << 20):
+                lines += chunk.count(b"\n")
+        except (_ZstdCut, zstandard.ZstdError) as e:
+            raise _stream_fault(path, e, lines) from None
+    return lines
+
+
 def iter_jsonl_lines(path: str | os.PathLike, skip_arrays: tuple[str, ...] = ()) -> Iterator[tuple[bytes, dict]]:
     """(raw line, record) of a JSONL file, zstd-compressed when the name ends in ``.zst``.
 
     ``skip_arrays``: top-level keys holding flat arrays of numbers (token ids) that the reader does
     not need: left out of the record, unparsed (most of a completion line's parse time), and kept
-    in the raw line. A line that is not a JSON object raises ``ValueError`` naming the file and line.
+    in the raw line. A line that is not a JSON object raises ``ValueError`` naming the file and line;
+    so does a zstd file that is cut, damaged or not zstd at all, once the records before the damage
+    are read (a consumer writing through ``atomic_path`` then writes nothing).
     """
-    keys = tuple(f', "{k}": ['.encode() for k in skip_arrays)
     path = Path(path)
+    records = 0
     with open(path, "rb") as raw:
-        stream = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw), 1 << 20) \
-            if path.suffix == ".zst" else raw
-        for lineno, line in enumerate(stream, 1):
-            if line.isspace():  # not strip(): that would copy every long line
-                continue
+        if path.suffix != ".zst":
+            yield from _parse_lines(path, raw, skip_arrays)
+            return
+        try:
+            for item in _parse_lines(path, io.BufferedReader(CheckedZstdReader(raw), 1 << 20), skip_arrays):
+                yield item
+                records += 1
+        except (_ZstdCut, zstandard.ZstdError) as e:
+            raise _stream_fault(path, e, records) from None
+
+
+def _parse_lines(path: Path, stream, skip_arrays: tuple[str, ...]) -> Iterator[tuple[bytes, dict]]:
+    keys = tuple(f', "{k}": ['.encode() for k in skip_arrays)
+    for lineno, line in enumerate(stream, 1):
+        if line.isspace():  # not strip(): that would copy every long line
+            continue
+        try:
             try:
-                try:
-                    rec = json.loads(_without_arrays(line, keys) if keys else line)
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    rec = json.loads(line)  # a cut in the wrong place cannot lose a record, only time
-                    for k in skip_arrays:
-                        rec.pop(k, None)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', e)})") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{path}:{lineno}: a JSON {type(rec).__name__} where a record object belongs")
-            yield line, rec
+                rec = json.loads(_without_arrays(line, keys) if keys else line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                rec = json.loads(line)  # a cut in the wrong place cannot lose a record, only time
+                for k in skip_arrays:
+                    rec.pop(k, None)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', e)})") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}:{lineno}: a JSON {type(rec).__name__} where a record object belongs")
+        yield line, rec
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[dict]:

@@ -6,18 +6,27 @@ answer) is dropped. A conversation with tool results is cut before its first too
 calls and cached results become ``meta.replay`` for the generate stage to feed back. Records
 whose ``split`` is ``heldout`` (or every record of a source marked ``split: heldout``) go to
 ``heldout.jsonl.zst`` for the eval and never into a training shard.
+
+With the target's tokenizer (``PromptChecks``) the stage also drops, with a reason counted per
+source in the manifest, what the target should never be sent: conversations its chat template
+refuses (``template_error``), prompts too long to leave ``max_tokens`` within its context
+(``too_long``), and content holding the template's control
+tokens (``special_tokens_in_content``: ``<|im_start|>system`` in a user turn would be encoded as a
+real turn boundary and forge a system turn).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
-from dflash.adopt import imported_generations, rebuild_text
+from dflash.chat import rebuild_text, render, template_message
 from dflash.io import atomic_dir, iter_jsonl, local_copy, shard_name, write_json, write_jsonl_zst
+from dflash.workflow import notice
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +104,66 @@ def _check_messages(messages: list[dict], tools, where: str) -> None:
             fn = t.get("function") if isinstance(t, dict) else None
             if t.get("type") != "function" or not isinstance(fn, dict) or "name" not in fn:
                 raise ValueError(f"{where}: tools entries must be {{'type': 'function', 'function': {{'name', ...}}}}")
+
+
+# Logged chat-completion exchanges (format chat_completions): generations to adopt.
+
+
+def detect_server(choice: dict, message: dict) -> str | None:
+    """The server behind a response, from fields only one of them sends."""
+    if "matched_stop" in choice or "reasoning_content" in message:
+        return "sglang"
+    if "stop_reason" in choice or "reasoning" in message:
+        return "vllm"
+    return None
+
+
+def split_exchange(raw: dict) -> tuple[dict, dict]:
+    """(request, response) of one logged exchange: ``{request, response}``, an OpenAI batch line
+    (``{body: request, response: {body: response}}``), or a request with a ``response`` field."""
+    if "response" not in raw:
+        raise KeyError("response")
+    request = raw.get("request") or raw.get("body") or raw
+    response = raw["response"]
+    if isinstance(response, dict) and "choices" not in response and isinstance(response.get("body"), dict):
+        response = response["body"]
+    if not isinstance(response, dict) or not response.get("choices"):
+        raise ValueError("the response has no choices")
+    if "messages" not in request:
+        raise KeyError("messages")
+    return request, response
+
+
+def imported_generations(raw: dict, source: dict) -> list[dict]:
+    """What the prompts stage keeps of a logged exchange, one entry per choice:
+    ``{messages, tools, imported}``; ``imported`` is what ``adopted_record`` needs."""
+    request, response = split_exchange(raw)
+    kwargs = request.get("chat_template_kwargs") or {}
+    thinking = kwargs.get("enable_thinking", source.get("enable_thinking", True))
+    messages = [template_message(m) for m in request["messages"]]
+    sampling = {"temperature": request.get("temperature"), "top_p": request.get("top_p"),
+                "top_k": request.get("top_k"), "seed": request.get("seed"),
+                "max_tokens": request.get("max_tokens", request.get("max_completion_tokens"))}
+    out = []
+    for choice in response["choices"]:
+        message = choice.get("message")
+        if not isinstance(message, dict):
+            raise ValueError(f"choice {choice.get('index', 0)} has no message")
+        server = source.get("server", "auto")
+        if server == "auto":
+            server = detect_server(choice, message)
+            if server is None:
+                raise ValueError("cannot tell whether SGLang or vLLM answered; set the source's server")
+        finish = choice.get("finish_reason")  # as reported: chat.finish_reason decides with the ids and the cap
+        if finish not in ("stop", "length", "abort", "tool_calls", None):
+            raise ValueError(f"unknown finish_reason {finish!r}")
+        prompt_ids = response.get("prompt_token_ids") or choice.get("prompt_token_ids")
+        output_ids = choice.get("token_ids") or choice.get("response_token_ids")
+        out.append({"messages": messages, "tools": request.get("tools") or None, "imported": {
+            "server": server, "tool_format": source.get("tool_format", "xml"), "model": response.get("model") or "",
+            "enable_thinking": thinking, "sampling": sampling, "message": message, "finish_reason": finish,
+            "usage": response.get("usage") or {}, "prompt_token_ids": prompt_ids, "output_token_ids": output_ids}})
+    return out
 
 
 def _imported_from(raw: dict, source: dict, where: str) -> list[tuple[list[dict], list | None, dict]]:
@@ -175,21 +244,127 @@ def stratify(records: list[dict], shard_size: int) -> list[list[dict]]:
     return [ordered[i:i + shard_size] for i in range(0, len(ordered), shard_size)]
 
 
-def build_prompts(sources: list[dict], out_dir: Path, shard_size: int) -> dict:
-    """Read, dedup and shard all sources into ``out_dir``; returns the manifest."""
+SPECIAL_TOKEN_ACTIONS = ("drop", "keep", "flag")
+
+
+class PromptChecks:
+    """What the target decides about a prompt before any request: whether its template renders
+    it (``template_error``), whether the rendered prompt leaves ``max_tokens`` within
+    ``context_length`` (``too_long``), and whether a message's
+    content, a tool call or a tool definition holds one of the tokenizer's special tokens as text
+    (``special_tokens_in_content``; ``special_tokens``: drop, keep, or flag = keep with
+    ``meta.flags``). Adopted generations are not measured: they were generated already."""
+
+    def __init__(self, tokenizer, context_length: int, max_tokens: int, thinking: bool, special_tokens: str = "drop"):
+        if special_tokens not in SPECIAL_TOKEN_ACTIONS:
+            raise ValueError(f"special_tokens: {special_tokens!r} is not one of {', '.join(SPECIAL_TOKEN_ACTIONS)}")
+        self.tokenizer, self.context_length, self.max_tokens = tokenizer, context_length, max_tokens
+        self.thinking, self.special_action = thinking, special_tokens
+        special = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len,
+                         reverse=True)
+        self.special = re.compile("|".join(map(re.escape, special))) if special else None
+
+    def special_token(self, rec: dict) -> str | None:
+        """Where the first special token string shows in a record's content, or None."""
+        if self.special is None:
+            return None
+        for n, message in enumerate(rec["messages"]):
+            hit = self.special.search(json.dumps(message, ensure_ascii=False))
+            if hit:
+                return f"{hit.group()} in message {n} ({message.get('role')})"
+        hit = self.special.search(json.dumps(rec["tools"], ensure_ascii=False)) if rec["tools"] else None
+        return f"{hit.group()} in the tool definitions" if hit else None
+
+    def unfit(self, recs: list[dict]) -> list[tuple[str, str] | None]:
+        """(reason, detail) for each record the target cannot take, else None: ``template_error``
+        when its chat template refuses the conversation, ``too_long`` when the rendered prompt
+        leaves fewer than ``max_tokens`` tokens of the context. A byte-level tokenizer spends a
+        token on one byte at least, so only prompts longer in UTF-8 bytes than the room left are
+        encoded."""
+        room = self.context_length - self.max_tokens
+        out: list[tuple[str, str] | None] = [None] * len(recs)
+        texts = {}
+        for i, rec in enumerate(recs):
+            if "imported" in rec["meta"]:
+                continue
+            try:
+                text = render(rec["messages"], rec["tools"], self.tokenizer, self.thinking)
+            except ValueError as e:
+                out[i] = ("template_error", str(e))
+                continue
+            if len(text.encode("utf-8")) > room:
+                texts[i] = text
+        if texts:
+            for i, ids in zip(texts, self.tokenizer(list(texts.values()), add_special_tokens=False)["input_ids"]):
+                if len(ids) > room:
+                    out[i] = ("too_long", f"{len(ids)} prompt tokens leave fewer than max_tokens {self.max_tokens} "
+                                          f"of the context {self.context_length}")
+        return out
+
+    def screen(self, recs: list[dict], tally: dict[str, dict]) -> list[dict]:
+        """The records to keep; each drop and flag is counted under its source and logged by id."""
+        kept = []
+        for rec, unfit in zip(recs, self.unfit(recs)):
+            where = f"prompt {rec['id']} ({rec['source']}:{rec['meta']['index'] + 1})"
+            counts = tally[rec["source"]]
+            if unfit is not None:
+                counts["dropped"][unfit[0]] += 1
+                log.warning("%s: %s: %s", where, *unfit)
+                continue
+            found = self.special_token(rec)
+            if found and self.special_action != "keep":
+                counts["dropped" if self.special_action == "drop" else "flagged"]["special_tokens_in_content"] += 1
+                log.warning("%s: special_tokens_in_content: %s (%s)", where, found,
+                            "dropped" if self.special_action == "drop" else "kept, flagged")
+                if self.special_action == "drop":
+                    continue
+                rec["meta"]["flags"] = [*rec["meta"].get("flags", []), "special_tokens_in_content"]
+            kept.append(rec)
+        return kept
+
+
+def prompt_checks(target_dir: str | Path, settings: dict) -> PromptChecks:
+    """``PromptChecks`` for the target folder's tokenizer and template; ``settings`` is
+    ``workflow.prompt_check_settings`` of the config. An unset context length is the model's
+    ``max_position_embeddings``."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    context = settings["context_length"]
+    if context is None:
+        context = getattr(AutoConfig.from_pretrained(target_dir).get_text_config(), "max_position_embeddings", None)
+    if context is None:
+        raise ValueError(f"{target_dir}: the model config names no max_position_embeddings; set generate.context_length")
+    return PromptChecks(tokenizer, context, settings["max_tokens"], settings["enable_thinking"],
+                        settings["special_tokens"])
+
+
+def build_prompts(sources: list[dict], out_dir: Path, shard_size: int, checks: PromptChecks | None = None) -> dict:
+    """Read, dedup, screen (with ``checks``) and shard all sources into ``out_dir``; returns the
+    manifest, which counts per source the records read, kept, dropped and flagged."""
     seen: set[str] = set()
-    train, heldout = [], []
-    dropped = Counter()
+    records = []
+    tally: dict[str, dict] = {}
     for source in sources:
+        counts = tally[source["name"]] = {"records": 0, "dropped": Counter(), "flagged": Counter()}
         for rec in read_source(source):
+            counts["records"] += 1
             key = content_key(rec["messages"], rec["tools"], rec["meta"].get("replay") or rec["meta"].get("imported", {}).get("message"))
             if key in seen:
-                dropped["duplicate"] += 1
+                counts["dropped"]["duplicate"] += 1
                 continue
             seen.add(key)
-            (heldout if rec["meta"]["split"] == "heldout" else train).append(rec)
+            records.append(rec)
+        if not counts["records"]:
+            notice(log, f"prompt source {source['name']!r} ({source['path']}) holds no records")
+    if checks is not None:
+        records = checks.screen(records, tally)
+    train = [r for r in records if r["meta"]["split"] != "heldout"]
+    heldout = [r for r in records if r["meta"]["split"] == "heldout"]
+    dropped = sum((c["dropped"] for c in tally.values()), Counter())
     if not train:
-        raise ValueError("no training prompts in the configured sources")
+        raise ValueError("no training prompts in the configured sources"
+                         + (f" (dropped: {', '.join(f'{k} {n}' for k, n in dropped.items())})" if dropped else ""))
     shards = stratify(train, shard_size)
     with atomic_dir(out_dir) as tmp:
         for i, shard in enumerate(shards):
@@ -208,8 +383,11 @@ def build_prompts(sources: list[dict], out_dir: Path, shard_size: int) -> dict:
             "categories": dict(Counter(r["category"] for r in train)),
             "heldout_categories": dict(Counter(r["category"] for r in heldout)),
             "dropped": dict(dropped),
+            "sources": {name: {"records": c["records"], "kept": c["records"] - sum(c["dropped"].values()),
+                               "dropped": dict(c["dropped"]), "flagged": dict(c["flagged"])}
+                        for name, c in tally.items()},
         }
         write_json(tmp / "manifest.json", manifest)
     log.info("prompts: %d training prompts in %d shards, %d held out, dropped %s",
-             len(train), len(shards), len(heldout), dict(dropped) or "none")
+             len(train), len(shards), len(heldout), manifest["dropped"] or "none")
     return manifest

@@ -14,20 +14,17 @@ import os
 import shlex
 import signal
 import socket
-import string
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from dflash.config import render_command
 from dflash.io import read_json, write_json
 from dflash.workflow import log_to
 
 log = logging.getLogger("dflash.server")  # not __main__ under python -m
-
-PLACEHOLDERS = ("model", "host", "port", "served_model_name")
-
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
@@ -116,32 +113,6 @@ def vllm_cpu_command(python: str, model: Path, port: int, served_name: str = "ti
            served_name, "--host", host, "--port", str(port), "--dtype", "float32", "--max-model-len", "4096",
            "--enforce-eager", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"]
     return cmd, env
-
-
-def command_problem(template: str) -> str | None:
-    """What is wrong with a ``generate.server.launch.command`` template, or None."""
-    braces = "a literal brace is written {{ or }}"
-    try:
-        tokens = shlex.split(template)
-    except ValueError as e:
-        return f"not a valid command line: {e}"
-    if not tokens:
-        return "the command is empty"
-    try:
-        fields = {f for token in tokens for _, f, _, _ in string.Formatter().parse(token) if f is not None}
-    except ValueError as e:
-        return f"{e} ({braces})"
-    unknown = sorted(fields - set(PLACEHOLDERS))
-    if unknown:
-        return (f"unknown placeholder {', '.join('{' + f + '}' for f in unknown)}; known: "
-                f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)} ({braces})")
-    return None
-
-
-def render_command(template: str, **values) -> list[str]:
-    """The argv of a command template: split like a shell line before the placeholders are filled,
-    so a value with spaces (a model path) stays one argument."""
-    return [token.format(**values) for token in shlex.split(template)]
 
 
 class StopRequested(Exception):

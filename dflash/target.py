@@ -37,7 +37,6 @@ QWEN35_SPLIT = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 MASK_TOKEN = "<|mask|>"
-STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 
 def chat_template() -> str:
@@ -232,21 +231,6 @@ def build_target(sources: list[Path], out_dir: Path, cfg: dict) -> dict:
     log.info("target: taught in %.0f s, loss %.3f -> %.3f", summary["seconds"],
              summary["teach_first_loss"], summary["teach_final_loss"])
     return summary
-
-
-def stop_token_ids(tokenizer, generation_config=None) -> set[int]:
-    """Ids that end a generation: Qwen's end-of-turn and end-of-text, the tokenizer's eos and the
-    generation_config's eos ids. One definition for generating, tokenizing and decoding."""
-    ids = {tokenizer.convert_tokens_to_ids(t) for t in STOP_TOKENS} | {tokenizer.eos_token_id}
-    eos = getattr(generation_config, "eos_token_id", None)
-    ids |= set(eos if isinstance(eos, list) else [eos])
-    # Tokens missing from the vocabulary come back as None or as the unknown token.
-    return {i for i in ids if i is not None and i != tokenizer.unk_token_id}
-
-
-def output_body(ids: list[int], stop_ids: set[int]) -> list[int]:
-    """Output ids without the final stop token: the ids whose decoding is a record's ``text``."""
-    return ids[:-1] if ids and ids[-1] in stop_ids else ids
 
 
 def load_target(path: str | Path, dtype=torch.float32):

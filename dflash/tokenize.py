@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from dflash.chat import output_body, render_conversation, render_prompt, stop_token_ids
 from dflash.io import atomic_path, iter_jsonl, write_json
-from dflash.target import output_body, stop_token_ids
 from dflash.workflow import progress
 
 log = logging.getLogger(__name__)
@@ -46,23 +46,6 @@ BATCH = 256
 BOUNDARY_WINDOW = 256
 COUNTS = ("from_ids", "from_text", "text_mismatch", "retokenize_checked", "retokenize_differs", "boundary_checked",
           "boundary_unstable", "truncated", "dropped_no_anchor")
-
-
-def render_prompt(rec: dict, tokenizer) -> str:
-    thinking = rec.get("generation", {}).get("enable_thinking", True)
-    return tokenizer.apply_chat_template(rec["messages"], tools=rec.get("tools"), add_generation_prompt=True,
-                                         enable_thinking=thinking, tokenize=False)
-
-
-def render_conversation(rec: dict, tokenizer) -> str:
-    """Prompt and this answer as the template renders a whole conversation (as training on
-    conversations, SpecForge style, would tokenize it)."""
-    thinking = rec.get("generation", {}).get("enable_thinking", True)
-    answer = {"role": "assistant", "content": rec.get("content") or ""}
-    if rec.get("reasoning") is not None:
-        answer["reasoning_content"] = rec["reasoning"]
-    return tokenizer.apply_chat_template(rec["messages"] + [answer], tools=rec.get("tools"), enable_thinking=thinking,
-                                         tokenize=False)
 
 
 class Encoder:
@@ -134,6 +117,17 @@ class Encoder:
         return probes
 
 
+class RecordError(ValueError):
+    """A record the stage cannot take; the message names it, the shard's path is added."""
+
+
+def rendered(render, rec: dict, tokenizer) -> str:
+    try:
+        return render(rec, tokenizer)
+    except ValueError as e:
+        raise RecordError(f"record {rec['id']}: {e}") from None
+
+
 def sampled(record_id: str, fraction: float) -> bool:
     """A fixed, id-keyed sample: the same records are checked on every run and in every shard."""
     return fraction >= 1.0 or zlib.crc32(record_id.encode("utf-8")) < fraction * 2**32
@@ -164,7 +158,7 @@ class Batch:
                 elif sampled(recs[i]["id"], cfg["retokenize_sample"]):
                     self.exact.append((i, body))
             counts["from_ids"] += len(self.by_ids)
-        self.prompts = [render_prompt(recs[i], enc.tokenizer) for i in self.by_text]
+        self.prompts = [rendered(render_prompt, recs[i], enc.tokenizer) for i in self.by_text]
         # what the text path would have made of the sampled id records (a sampler need not pick
         # the tokenizer's own split), then the prompts and texts of the records without ids
         self.texts = [recs[i]["text"] for i, _ in self.exact] + self.prompts + [recs[i]["text"] for i in self.by_text]
@@ -181,7 +175,7 @@ class Batch:
         for i, prompt, output in zip(self.by_text, prompt_ids, outputs):
             self.rows[i] = (prompt, output + [enc.end_of_turn] if recs[i]["finish_reason"] == "stop" else output)
         stable = enc.boundaries_stable(self.prompts, prompt_ids,
-                                       [render_conversation(recs[i], enc.tokenizer) for i in self.by_text])
+                                       [rendered(render_conversation, recs[i], enc.tokenizer) for i in self.by_text])
         for i, ok in zip(self.by_text, stable):
             if not ok:
                 log.warning("%s: the rendered prompt is not a token prefix of the rendered conversation", recs[i]["id"])
@@ -206,6 +200,17 @@ def batches(records, enc: Encoder, cfg: dict, counts: Counter) -> Iterator[tuple
             yield previous[0].recs, previous[0].finish(previous[1].result())
 
 
+def unique_ids(records):
+    """The records, refusing a second record with an id already seen: it would be trained twice."""
+    seen: set[str] = set()
+    for rec in records:
+        if rec["id"] in seen:
+            raise RecordError(f"record id {rec['id']} appears twice; every id must be unique (re-run the rules "
+                              f"that wrote the shard)")
+        seen.add(rec["id"])
+        yield rec
+
+
 def tokenize_shard(validated_path: Path, out_tensors: Path, out_index: Path, tokenizer, cfg: dict) -> dict:
     enc = Encoder(tokenizer)
     max_length = cfg["max_length"]
@@ -214,26 +219,30 @@ def tokenize_shard(validated_path: Path, out_tensors: Path, out_index: Path, tok
     rows = []
     counts = Counter()
     trainable_by_cat: dict[str, list[int]] = defaultdict(list)
-    bar = progress(desc=f"tokenize {Path(validated_path).name}", unit="record")
-    for batch, batch_rows in batches(iter_jsonl(validated_path), enc, cfg, counts):
-        for rec, (prompt, output) in zip(batch, batch_rows):
-            length = len(prompt) + len(output)
-            if length > max_length:
-                length = max_length
-                counts["truncated"] += 1
-            # the loss mask is the output part: DFlash needs an anchor and a label in it
-            trainable = max(0, length - len(prompt))
-            if trainable < 2:
-                counts["dropped_no_anchor"] += 1
-                continue
-            pieces.append(np.array(prompt, dtype=np.int32))
-            pieces.append(np.array(output[:trainable], dtype=np.int32))
-            prompt_lengths.append(len(prompt))
-            offsets.append(offsets[-1] + length)
-            rows.append({"id": rec["id"], "category": rec["category"], "length": length, "trainable": trainable})
-            trainable_by_cat[rec["category"]].append(trainable)
-        bar.update(len(batch))
-    bar.close()
+    records = unique_ids(iter_jsonl(validated_path))
+    try:
+        with progress(desc=f"tokenize {Path(validated_path).name}", unit="record") as bar:
+            for batch, batch_rows in batches(records, enc, cfg, counts):
+                for rec, (prompt, output) in zip(batch, batch_rows):
+                    length = len(prompt) + len(output)
+                    if length > max_length:
+                        length = max_length
+                        counts["truncated"] += 1
+                    # the loss mask is the output part: DFlash needs an anchor and a label in it
+                    trainable = max(0, length - len(prompt))
+                    if trainable < 2:
+                        counts["dropped_no_anchor"] += 1
+                        continue
+                    pieces.append(np.array(prompt, dtype=np.int32))
+                    pieces.append(np.array(output[:trainable], dtype=np.int32))
+                    prompt_lengths.append(len(prompt))
+                    offsets.append(offsets[-1] + length)
+                    rows.append({"id": rec["id"], "category": rec["category"], "length": length,
+                                 "trainable": trainable})
+                    trainable_by_cat[rec["category"]].append(trainable)
+                bar.update(len(batch))
+    except RecordError as e:
+        raise ValueError(f"{validated_path}: {e}") from None
     input_ids = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
     loss_mask = np.ones(len(input_ids), dtype=np.uint8)
     for start, prompt_length in zip(offsets, prompt_lengths):

@@ -10,8 +10,11 @@ import json
 import re
 from functools import lru_cache
 
+# A value runs to the first </parameter> and never over the next <parameter=: a missing closing tag
+# is a malformed call, not a value that swallows the next parameter.
+VALUE = r"(?:(?!<parameter=).)*?"
 XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.S)
-XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+XML_PARAM = re.compile(rf"<parameter=([^>\n]+)>\n?({VALUE})\n?</parameter>", re.S)
 JSON_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
 
@@ -39,12 +42,14 @@ def text_before_calls(content: str) -> str:
     return content.split("<tool_call>", 1)[0]
 
 
-def call_blocks(content: str) -> tuple[list[str], int, int]:
+def call_blocks(content: str) -> tuple[list[str], int, int, list[str]]:
     """(bodies of the closed ``<tool_call>`` blocks, how many are left open, where the last closed
-    one ends). A block closes before the next one opens; searching no further keeps a text that
-    opens thousands of blocks (a loop) linear."""
-    bodies, unclosed, end = [], 0, 0
+    one ends, the pieces of text outside every block). A block closes before the next one opens;
+    searching no further keeps a text that opens thousands of blocks (a loop) linear. An open
+    block runs to the next one: its text is in no piece."""
+    bodies, unclosed, end, outside = [], 0, 0, []
     pos = content.find("<tool_call>")
+    outside.append(content[:pos] if pos >= 0 else content)
     while pos >= 0:
         start = pos + len("<tool_call>")
         following = content.find("<tool_call>", start)
@@ -54,8 +59,30 @@ def call_blocks(content: str) -> tuple[list[str], int, int]:
         else:
             bodies.append(content[start:close])
             end = close + len("</tool_call>")
+            outside.append(content[end:following] if following >= 0 else content[end:])
         pos = following
-    return bodies, unclosed, end
+    return bodies, unclosed, end, outside
+
+
+# Call markup that means something only inside a <tool_call> block.
+STRAY = re.compile(r"</tool_call>|<function=|<parameter=")
+
+
+def stray_markup(pieces: list[str], fmt: str) -> tuple[str, str] | None:
+    """(reason code, detail) for tool-call markup outside every well-formed block (a ``<function=``
+    block closed by a ``</tool_call>`` that was never opened, say), or None. The code is the
+    format's: ``tool_bad_json`` for Hermes, else ``tool_bad_xml``; with ``auto``, Hermes only when
+    the stray text holds a JSON object with a name and no XML markup."""
+    for piece in pieces:
+        hit = STRAY.search(piece)
+        if hit is None:
+            continue
+        xml_markup = "<function=" in piece or "<parameter=" in piece
+        hermes = fmt == "json" or (fmt == "auto" and not xml_markup and '"name"' in piece and "{" in piece)
+        context = piece[max(0, hit.start() - 40):hit.end() + 40]
+        return ("tool_bad_json" if hermes else "tool_bad_xml",
+                f"{hit.group()} outside a <tool_call> block: {context!r}")
+    return None
 
 
 @lru_cache(maxsize=256)
@@ -64,7 +91,7 @@ def _validator(schema_json: str):
 
     return Draft202012Validator(json.loads(schema_json))
 XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
-XML_PARAM_ONLY = re.compile(r"(?:\s*<parameter=[^>\n]+>\n?.*?\n?</parameter>)*\s*", re.S)
+XML_PARAM_ONLY = re.compile(rf"(?:\s*<parameter=[^>\n]+>\n?{VALUE}\n?</parameter>)*\s*", re.S)
 
 
 def type_xml_arguments(arguments: dict[str, str], parameters: dict | None) -> dict:
@@ -90,24 +117,26 @@ def check_tool_calls(content: str, reasoning: str | None, tools: list | None,
     """(calls with typed arguments, problems: reason code -> first detail) of one generation.
 
     ``fmt`` is the model's call format: ``xml`` (Qwen3.5/3.6, Qwen3-Coder), ``json`` (Hermes,
-    Qwen2.5/Qwen3) or ``auto`` (each call as it is written); a call in the other format is bad.
+    Qwen2.5/Qwen3) or ``auto`` (each call as it is written: a block holding a JSON object is
+    Hermes, any other is judged as XML, the Qwen3.5/3.6 format); a call in the other format is bad.
     """
     problems: dict[str, str] = {}
     if reasoning and "<tool_call>" in reasoning:
         problems["tool_call_in_reasoning"] = "<tool_call> inside the reasoning"
-    if "<tool_call>" not in content:
+    if "<tool_call>" not in content and not STRAY.search(content):
         return [], problems
     offered = {t["function"]["name"]: t["function"] for t in tools or []}
     calls: list[dict] = []
-    bodies, unclosed, end = call_blocks(content)
+    bodies, unclosed, end, outside = call_blocks(content)
     if unclosed:
         problems["tool_unclosed"] = f"{unclosed} <tool_call> without </tool_call>"
+    stray = stray_markup(outside, fmt)
+    if stray:
+        problems[stray[0]] = stray[1]
     for body in bodies:
         xml = XML_FUNCTION.fullmatch(body)
-        if body.lstrip().startswith("<function=") or (fmt == "xml" and not body.lstrip().startswith("{")):
-            if fmt == "json":
-                problems.setdefault("tool_bad_json", f"an XML call where Hermes JSON is expected: {body[:80]!r}")
-                continue
+        json_like = body.lstrip().startswith(("{", "["))
+        if not json_like and fmt != "json":
             if not xml or not XML_PARAM_ONLY.fullmatch(xml.group(2)):
                 problems.setdefault("tool_bad_xml", f"not <function=NAME> with <parameter=...> blocks: {body[:80]!r}")
                 continue
@@ -115,6 +144,9 @@ def check_tool_calls(content: str, reasoning: str | None, tools: list | None,
             raw = {k.strip(): v for k, v in XML_PARAM.findall(xml.group(2))}
             arguments = type_xml_arguments(raw, (offered.get(name) or {}).get("parameters"))
         else:
+            if fmt == "json" and "<function" in body:
+                problems.setdefault("tool_bad_json", f"an XML call where Hermes JSON is expected: {body[:80]!r}")
+                continue
             if fmt == "xml":
                 problems.setdefault("tool_bad_xml", f"a JSON call where XML is expected: {body[:80]!r}")
                 continue

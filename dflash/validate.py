@@ -150,7 +150,7 @@ ANCHORS = {  # where in the record a problem shows: (field, pattern); the end of
     "trivial": ("text", re.compile("^")),
     "empty_answer": ("text", re.compile("^")),
     "empty_reasoning": ("text", re.compile("^")),
-    **{code: ("content", re.compile("<tool_call>")) for code in (
+    **{code: ("content", re.compile("<tool_call>|</tool_call>|<function=|<parameter=")) for code in (
         "tool_unclosed", "tool_bad_json", "tool_bad_xml", "tool_unknown_name", "tool_args_schema",
         "tool_missing_required", "tool_without_tools")},
 }
@@ -194,6 +194,11 @@ def length_stats(values: list[int]) -> dict:
 GENERATION_SUFFIX = re.compile(r"-g\d+$")
 
 
+# The reason of an id listed without one. Not its file and line: a comment added at the top of a
+# list would change every later id's reason, and with it the validate params of their shards.
+UNSTATED = "listed in validate.exclude"
+
+
 def read_exclusions(paths: list[str | Path]) -> dict[str, str]:
     """Sample ids to drop, with the reason for each: a ``.jsonl`` file holds ``{"id", "reason"}``
     objects; any other file one id per line (``#`` starts a comment). A prompt id drops every
@@ -211,11 +216,11 @@ def read_exclusions(paths: list[str | Path]) -> dict[str, str]:
                     raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
                 if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
                     raise ValueError(f'{where}: expected an object with a string "id" (and an optional "reason")')
-                excluded[entry["id"]] = str(entry.get("reason") or f"listed in {where}")
+                excluded[entry["id"]] = str(entry.get("reason") or UNSTATED)
             elif (sample := line.split("#", 1)[0].strip()):
                 if len(sample.split()) > 1:
                     raise ValueError(f"{where}: one sample id per line, got {sample!r}")
-                excluded[sample] = f"listed in {where}"
+                excluded[sample] = UNSTATED
     return excluded
 
 
@@ -253,10 +258,15 @@ def validate_shard(completions_path: Path, validated_path: Path, rejected_path: 
     per_cat: dict[str, Counter] = defaultdict(Counter)
     lengths: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
     examples: dict[str, list[dict]] = defaultdict(list)
+    seen: set[str] = set()  # a record twice would be trained twice
     # zstd level 1: these shards are read once more, by tokenize; level 3 would cost a third of the stage.
     with jsonl_zst_writer(validated_path, level=1) as keep, jsonl_zst_writer(rejected_path, level=1) as reject:
         # No check reads token ids: they stay unparsed, and pass through in the raw lines.
         for line, rec in iter_jsonl_lines(completions_path, skip_arrays=("prompt_token_ids", "output_token_ids")):
+            if rec["id"] in seen:
+                raise ValueError(f"{completions_path}: record id {rec['id']} appears twice; every id must be unique "
+                                 f"(re-run the generate rule of this shard)")
+            seen.add(rec["id"])
             cat = rec["category"]
             why = excluded.get(rec["id"]) or excluded.get(rec.get("prompt_id"))
             if why:

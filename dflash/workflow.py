@@ -47,9 +47,21 @@ def log_to(log_file: str | Path) -> None:
     setup_logging(log_file)
 
 
+def notice(logger: logging.Logger, message: str) -> None:
+    """A warning worth seeing although the job succeeds: in its log, and on the console when the
+    log is a rule's (Snakemake shows a log only when the job fails)."""
+    logger.warning(message)
+    if sys.stderr is not sys.__stderr__:
+        print(f"warning: {message}", file=sys.__stderr__, flush=True)
+
+
 def start_job(snakemake) -> None:
-    """First call of every rule script: logging into the rule's log, torch threads."""
+    """First call of every rule script: logging into the rule's log, failures as one line on the
+    console (the traceback in the log), torch threads."""
+    from dflash.errors import install_job_hook
+
     log_to(snakemake.log[0])
+    install_job_hook(snakemake.rule, ", ".join(f"{k}={v}" for k, v in snakemake.wildcards.items()), snakemake.log[0])
     set_threads(snakemake.threads)
 
 
@@ -96,6 +108,13 @@ def drafter_train_cfg(config: dict, target: str | Path) -> dict:
         drafter["mask_token_id"] = mask_id
     train = {k: v for k, v in config["train"].items() if k != "gpus"}  # how many processes: the launcher's business
     return {**drafter, **train}
+
+
+def prompt_check_settings(config: dict) -> dict:
+    """What decides which prompts the prompts stage drops or flags (its rule's params)."""
+    generate = config["generate"]
+    return {"context_length": generate["context_length"], "max_tokens": generate["sampling"]["max_tokens"],
+            "enable_thinking": generate["enable_thinking"], "special_tokens": config["prompts"]["special_tokens"]}
 
 
 def record_settings(cfg: dict) -> dict:

@@ -19,6 +19,18 @@ def per_shard(pattern):
     return lambda wildcards: expand(pattern, shard=shards())
 
 
+def after_prompts(pattern):
+    """Input function: ``pattern``, named only once the prompts checkpoint is known. A job whose
+    params read the checkpoint's files (its id index) then waits for it, as Snakemake requires,
+    with the same input files as before."""
+
+    def files(wildcards):
+        checkpoints.prompts.get()
+        return pattern.format(**wildcards)
+
+    return files
+
+
 def server_file(wildcards):
     """Input function: the service file of the started server (generate.server.launch) a shard's
     generate job uses, round robin over the instances; none when the server is the user's."""

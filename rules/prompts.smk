@@ -2,12 +2,15 @@ checkpoint prompts:
     """Canonical prompt records, deduplicated and stratified into shards, plus the held-out set."""
     input:
         # s3:// sources are read by the job (boto3), not tracked: an object is not re-read when it changes.
-        [s["path"] for s in config["prompts"]["sources"] if not s["path"].startswith("s3://")],
+        sources=[s["path"] for s in config["prompts"]["sources"] if not s["path"].startswith("s3://")],
+        # its tokenizer, template and context: prompts it cannot take are dropped here, not sent
+        target=TARGET,
     output:
         directory(f"{OUT}/prompts"),
     params:
         sources=config["prompts"]["sources"],
         shard_size=config["prompts"]["shard_size"],
+        checks=prompt_check_settings(config),
     log:
         f"{LOGS}/prompts.log",
     benchmark:

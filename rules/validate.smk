@@ -1,7 +1,9 @@
 rule validate:
     """Kept and rejected records (every rejection has reason codes) and the shard's QA counts."""
     input:
-        f"{OUT}/completions/shard-{{shard}}.jsonl.zst",
+        # named once the prompts checkpoint is known: the excluded param reads its id index, and
+        # waits for it through this input when a single shard is the target
+        completions=after_prompts(f"{OUT}/completions/shard-{{shard}}.jsonl.zst"),
     output:
         validated=f"{OUT}/validated/shard-{{shard}}.jsonl.zst",
         rejected=f"{OUT}/rejected/shard-{{shard}}.jsonl.zst",

@@ -14,7 +14,10 @@ gpus = snakemake.params.train["gpus"]
 if gpus == 1:
     train(list(i.tokenized), list(i.hidden) or None, i.target, snakemake.output[0], cfg)
 else:  # one process per GPU, data-parallel; their output goes to this job's log
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-                    "-m", "dflash.train", "--cfg", json.dumps(cfg), "--tokenized", *i.tokenized,
-                    "--hidden", *i.hidden, "--target", i.target, "--out", snakemake.output[0]],
-                   stdout=sys.stderr, stderr=sys.stderr, check=True)
+    ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+                            "-m", "dflash.train", "--cfg", json.dumps(cfg), "--tokenized", *i.tokenized,
+                            "--hidden", *i.hidden, "--target", i.target, "--out", snakemake.output[0]],
+                           stdout=sys.stderr, stderr=sys.stderr)
+    if ranks.returncode:
+        raise RuntimeError(f"torchrun with {gpus} processes failed (exit {ranks.returncode}); each rank's error is "
+                           f"in the log; a re-run resumes from the last resume point")

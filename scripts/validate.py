@@ -5,5 +5,5 @@ start_job(snakemake)
 from dflash.validate import validate_shard  # noqa: E402
 
 out = snakemake.output
-validate_shard(snakemake.input[0], out.validated, out.rejected, out.qa, snakemake.params.validate,
+validate_shard(snakemake.input.completions, out.validated, out.rejected, out.qa, snakemake.params.validate,
                snakemake.params.excluded)

@@ -11,12 +11,14 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from dflash.adopt import adopted_record, rebuild_text, render_call
+from dflash.adopt import adopted_record
+from dflash.chat import rebuild_text, render_call
 from dflash.generate import generate_shard
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
 from dflash.prompts import build_prompts
 from dflash.records import record_errors
-from dflash.tokenize import render_prompt, tokenize_shard
+from dflash.chat import render_prompt
+from dflash.tokenize import tokenize_shard
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city.",
@@ -230,6 +232,25 @@ def test_token_ids_in_the_response_are_kept(tmp_path, tok, target_dir):
     assert rec["text"] == raw and not rec["generation"]["reconstructed"]
 
 
+def test_logged_call_cut_at_the_cap_is_a_length_finish(tmp_path, tok, target_dir):
+    """A logged reply whose ids stop at max_tokens without a stop token is cut, though the server
+    said tool_calls (vLLM does so whenever its parser found a call); without ids, a tool_calls
+    reply that used up max_tokens is taken as cut too."""
+    raw = emitted(tok, ASK, turn("Two cities.", "Let me check both.", PARIS, ROME))
+    prompt_ids = tok.encode(tok.apply_chat_template(ASK, tools=TOOLS, add_generation_prompt=True, tokenize=False),
+                            add_special_tokens=False)
+    cut_ids = tok.encode(raw, add_special_tokens=False)[:-3]
+    capped = {**request(ASK), "max_tokens": len(cut_ids)}
+    message = CASES[2][3]["vllm"]
+    with_ids = {"request": capped, "response": {**vllm_response(message, "tool_calls"), "prompt_token_ids": prompt_ids}}
+    with_ids["response"]["choices"][0]["token_ids"] = cut_ids
+    without = {"request": {**request(ASK), "max_tokens": 9}, "response": vllm_response(CASES[1][3]["vllm"], "tool_calls")}
+    summary, recs = adopt(tmp_path, tok, target_dir, [with_ids, without])
+    assert [r["finish_reason"] for r in recs] == ["length", "length"] and summary["finish_reasons"]["length"] == 2
+    (cut,) = [r for r in recs if r["output_token_ids"]]
+    assert cut["output_token_ids"] == cut_ids and cut["text"] == tok.decode(cut_ids, skip_special_tokens=False)
+
+
 def test_adopted_from_s3(tmp_path, tok, target_dir, s3):
     line, raw = exchanges(tok)[0]
     write_jsonl_zst(tmp_path / "up.jsonl.zst", [line])
@@ -245,7 +266,8 @@ def test_adopted_from_s3(tmp_path, tok, target_dir, s3):
     ({"request": request(ASK, thinking=False), "response": sglang_response({"content": "x", "reasoning_content": "R"})},
      "logged.jsonl.zst:1: reasoning in a reply generated with thinking off"),
     ({"request": request([*ASK, {"role": "system", "content": "late"}]), "response": sglang_response({"content": "x"})},
-     "source logged, line 1\\): TemplateError: The system message must be the first message"),
+     "source logged, line 1\\): the chat template cannot render the conversation \\(TemplateError: The system "
+     "message must be the first message"),
 ])
 def test_bad_lines_name_file_and_line(tmp_path, tok, target_dir, line, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):

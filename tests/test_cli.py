@@ -32,13 +32,16 @@ def test_validate_twin_on_one_shard(tmp_path):
     assert read_jsonl(tmp_path / "r.jsonl.zst")[0]["qa"]["details"] == {"excluded": "by hand"}
 
 
-def test_prompts_twin_and_clear_errors(tmp_path, capsys, monkeypatch):
+def test_prompts_twin_and_clear_errors(tmp_path, capsys, monkeypatch, target_dir):
     monkeypatch.chdir(ROOT)  # the config's source paths are relative to the working directory
-    assert main(["prompts", "--config", "config.yaml", "--out", str(tmp_path / "p")]) == 0
+    assert main(["prompts", "--config", "config.yaml", "--out", str(tmp_path / "p"), "--target", str(target_dir)]) == 0
     assert read_json(tmp_path / "p" / "manifest.json")["prompts"] >= 150
     monkeypatch.chdir(tmp_path)
-    assert main(["prompts", "--config", str(ROOT / "config.yaml"), "--out", str(tmp_path / "q")]) == 1
+    assert main(["prompts", "--config", str(ROOT / "config.yaml"), "--out", str(tmp_path / "q"),
+                 "--target", str(target_dir)]) == 1
     assert "data/demo/chat.jsonl: no such file" in capsys.readouterr().err
+    assert main(["prompts", "--config", str(ROOT / "config.yaml"), "--out", str(tmp_path / "q")]) == 1
+    assert "results/target: no target model folder" in capsys.readouterr().err
     bad = tmp_path / "bad.yaml"
     bad.write_text("prompts: {sources: [{name: a, path: a.jsonl}]}\nrun_name: x\n")
     assert main(["validate", "--config", str(bad), "--completions", "c", "--validated", "v", "--rejected", "r", "--qa", "q"]) == 2

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Con
 
 from dflash.drafter import TargetIO, load_drafter
 from dflash.eval import evaluate, speculative_generate, untrained_drafter
-from dflash.target import stop_token_ids
+from dflash.chat import stop_token_ids
 from dflash.train import train
 from test_drafter import reference  # noqa: F401 - the fixture with the reference wheel's model.py
 from test_train import LAYER_IDS, TRAIN_CFG, make_target, write_shards

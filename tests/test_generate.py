@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.adopt import split_reasoning
+from dflash.chat import split_reasoning
 from dflash.generate import generate_shard, partial_path, sample_seed
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.adopt import split_reasoning
+from dflash.chat import split_reasoning
 from dflash.generate import generate_shard, partial_path
 from dflash.io import read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source
@@ -32,7 +32,7 @@ def cfg(url, max_error_fraction=0.0, **server):
     return {"backend": "openai", "enable_thinking": True, "max_error_fraction": max_error_fraction,
             "sampling": {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "max_tokens": 32, "seed": 0},
             "server": {"url": url, "dialect": "openai", "model": None, "api_key_env": None, "timeout_s": 60,
-                       "retries": 1, "extra_body": {}, "concurrency": 2, **server}}
+                       "retries": 1, "extra_body": {}, "concurrency": 2, "max_connection_failures": 16, **server}}
 
 
 @pytest.fixture(scope="module")

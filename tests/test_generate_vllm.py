@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -63,7 +64,7 @@ def settings(url, **server):
     return {"backend": "openai", "enable_thinking": True, "max_error_fraction": 0.0,
             "sampling": {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "max_tokens": 48, "seed": 0},
             "server": {"url": url, "dialect": "vllm", "model": "tiny", "api_key_env": None, "timeout_s": 60,
-                       "retries": 0, "extra_body": {}, "concurrency": 4, **server}}
+                       "retries": 0, "extra_body": {}, "concurrency": 4, "max_connection_failures": 16, **server}}
 
 
 def prompt_shard(path: Path, demo_sources, per_source: int) -> list[dict]:
@@ -150,3 +151,48 @@ def test_tool_conversation_replayed_through_the_server(vllm, qwen3_target, demo_
     conversation = local.index("<|im_start|>user")  # the tools block may differ in JSON key order
     assert served.endswith(local[conversation:])
     assert f"{call}<|im_end|>\n<|im_start|>user\n<tool_response>\n" in served
+
+
+def test_tool_call_cut_by_max_tokens_is_a_length_finish(vllm, qwen3_target, demo_sources, tmp_path):
+    """vLLM 0.32 answers ``finish_reason: tool_calls`` whenever its parser pulled a call out of the
+    output, even one cut at ``max_tokens``. A structured-output regex forces a call; the cap is set
+    to end the output just before its ``</tool_call>``: the ids end without a stop token at the cap,
+    so the record says ``length``, the replay stops with ``finish_length`` and validation rejects it."""
+    from dflash.validate import validate_shard
+
+    tool_source = next(s for s in demo_sources if s["name"] == "demo-tool")
+    prompt = next(r for r in read_source(tool_source) if "rain in Amsterdam" in r["messages"][-1]["content"])
+    call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nAmsterdam\n</parameter>\n</function>\n</tool_call>"
+    forced = {"structured_outputs": {"regex": r"[a-z ]{1,20}\n</think>\n\n" + re.escape(call)}}
+    cfg = settings(vllm.url, extra_body=forced)
+    cfg["sampling"].update(temperature=0.0, max_tokens=120)
+    write_jsonl_zst(tmp_path / "shard-00000.jsonl.zst", [prompt])
+    whole = generate_shard(tmp_path / "shard-00000.jsonl.zst", tmp_path / "whole.jsonl.zst", qwen3_target, cfg)  # uncut
+    first = read_jsonl(tmp_path / "whole.jsonl.zst")[0]
+    ids = first["output_token_ids"]
+    assert first["finish_reason"] == "stop" and first["text"].endswith(call) and whole["errors"] == 0
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen3_target)
+    # the longest output that has not yet written the whole </tool_call> (guided decoding may spell it in pieces)
+    cap = max(k for k in range(len(ids)) if "</tool_call>" not in tok.decode(ids[:k], skip_special_tokens=False))
+    cfg["sampling"]["max_tokens"] = cap
+    # what the server itself says of the cut output
+    body = {"model": "tiny", "messages": prompt["messages"], "tools": prompt["tools"], "max_tokens": cap,
+            "temperature": 0.0, "return_token_ids": True, "skip_special_tokens": False, **forced}
+    request = urllib.request.Request(f"{vllm.url}/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    choice = json.loads(urllib.request.urlopen(request, timeout=120).read())["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and len(choice["token_ids"]) == cap
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+    summary = generate_shard(tmp_path / "shard-00000.jsonl.zst", tmp_path / "c.jsonl.zst", qwen3_target, cfg)
+    (rec,) = read_jsonl(tmp_path / "c.jsonl.zst")
+    assert "</function>" in rec["text"] and not rec["text"].endswith("</tool_call>")
+    assert len(rec["output_token_ids"]) == cap
+    assert rec["finish_reason"] == "length" and summary["finish_reasons"]["length"] == 1
+    assert rec["replay"]["stop"] == "finish_length" and summary["replay_stops"] == {"finish_length": 1}
+    report = validate_shard(tmp_path / "c.jsonl.zst", tmp_path / "v.jsonl.zst", tmp_path / "r.jsonl.zst",
+                            tmp_path / "qa.json", {"checks": {}, "trivial_min_tokens": 0,
+                                                   "repetition": {"min_repeats": 4, "min_chars": 200}})
+    assert report["rejected"] == 1 and "finish_length" in read_jsonl(tmp_path / "r.jsonl.zst")[0]["qa"]["reasons"]

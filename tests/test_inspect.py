@@ -29,7 +29,7 @@ def inspect(capsys, *args):
 
 def test_readable_records_with_reasons_calls_and_details(shards, capsys):
     rc, out, err = inspect(capsys, shards / "rejected.jsonl.zst", "--reason", "repetition_loop")
-    assert rc == 0 and err.strip() == "1 record(s) shown"
+    assert rc == 0 and err.strip() == "1 of 1 shown"
     assert out.startswith("── loop  [chat]  finish=length  output tokens=10  REJECTED: finish_length, empty_answer, "
                           "repetition_loop, stray_think")
     assert "  repetition_loop: 400 x '<tool_call>\\n</think>' (2 lines in a row)" in out
@@ -48,7 +48,7 @@ def test_filters_combine_and_json_is_the_whole_record(shards, capsys):
     _, out, _ = inspect(capsys, shards / "rejected.jsonl.zst", "--json", "--id", "loop", "--id", "ok")
     assert [json.loads(line)["id"] for line in out.splitlines()] == ["loop", "ok"]
     _, out, err = inspect(capsys, shards / "completions.jsonl.zst", "--limit", "1")
-    assert out.count("── ") == 1 and "(--limit 1)" in err
+    assert out.count("── ") == 1 and err.strip() == "1 of 4 shown (--limit 1; --limit 0 shows all)"
 
 
 def test_tokenized_rows_show_prompt_and_supervised_output(tmp_path, capsys, target, target_dir):
@@ -75,3 +75,36 @@ def test_shards_in_s3(shards, s3, capsys):
     assert rc == 0 and [json.loads(line) for line in out.splitlines()] == read_jsonl(shards / "rejected.jsonl.zst")
     rc, _, err = inspect(capsys, "s3://drafter/run1/rejected/shard-00009.jsonl.zst")
     assert rc == 1 and "s3://drafter/run1/rejected/shard-00009.jsonl.zst: no such object" in err
+
+
+def test_unknown_filter_values_list_the_valid_ones(shards, capsys):
+    rc, out, err = inspect(capsys, shards / "rejected.jsonl.zst", "--reason", "repetiton_loop")
+    assert rc == 1 and out == ""
+    assert err.startswith("dflash inspect: unknown --reason 'repetiton_loop'; valid: abort_or_error, finish_length, ")
+    assert "repetition_loop" in err and "excluded" in err
+    rc, _, err = inspect(capsys, shards / "rejected.jsonl.zst", "--category", "tools")
+    assert rc == 1 and err == "dflash inspect: unknown --category 'tools'; valid: chat, code, reasoning, tool, other\n"
+    rc, _, err = inspect(capsys, shards / "rejected.jsonl.zst", "--flag", "loop")
+    assert rc == 1 and "unknown --flag 'loop'; valid:" in err and "special_tokens_in_content" in err
+
+
+def test_the_footer_counts_every_match(tmp_path, capsys):
+    write_jsonl_zst(tmp_path / "c.jsonl.zst", [{**GOOD, "id": f"r{i}"} for i in range(45)])
+    rc, out, err = inspect(capsys, tmp_path / "c.jsonl.zst")
+    assert rc == 0 and out.count("── ") == 10 and err == "10 of 45 shown (--limit 10; --limit 0 shows all)\n"
+    _, out, err = inspect(capsys, tmp_path / "c.jsonl.zst", tmp_path / "c.jsonl.zst", "--limit", "50")
+    assert out.count("── ") == 50 and err == "50 of 90 shown (--limit 50; --limit 0 shows all)\n"
+    _, _, err = inspect(capsys, tmp_path / "c.jsonl.zst", "--limit", "0")
+    assert err == "45 of 45 shown\n"
+
+
+def test_a_json_document_is_no_shard(shards, capsys, tmp_path, target):
+    rc, out, err = inspect(capsys, shards / "qa.json")
+    assert rc == 1 and out == ""
+    assert err == (f"dflash inspect: {shards}/qa.json: a JSON document, not JSONL records: inspect reads shards "
+                   f"(.jsonl.zst, .jsonl, .safetensors); read it with `python -m json.tool {shards}/qa.json`\n")
+    write_jsonl_zst(tmp_path / "v.jsonl.zst", [with_ids(target[1], "a", "Four.\n</think>\n\n4")])
+    tokenize_shard(tmp_path / "v.jsonl.zst", tmp_path / "t.safetensors", tmp_path / "t.json", target[1],
+                   {"max_length": 4096, "retokenize_sample": 1.0})
+    rc, _, err = inspect(capsys, tmp_path / "t.json")
+    assert rc == 1 and err.endswith(f"(the rows of this tokenized shard are in {tmp_path}/t.safetensors)\n")

@@ -195,14 +195,40 @@ def test_excluded_ids_rerun_only_the_shards_holding_them(pipeline, tmp_path):
     other.write_text(yaml.safe_dump(config))
     snakemake(copy, "--cores", "2", "--configfile", str(other), "--until", "validate")
     rejected = {r["id"]: r["qa"] for r in read_jsonl(copy / "results/rejected/shard-00000.jsonl.zst")}
-    assert {i: rejected[i]["details"]["excluded"] for i in first} == {
-        first[0]: f"listed in {work}/drop.txt:2", first[1]: f"listed in {work}/drop.txt:3"}
+    assert {i: rejected[i]["details"]["excluded"] for i in first} == {i: "listed in validate.exclude" for i in first}
     assert read_jsonl(copy / "results/rejected/shard-00002.jsonl.zst")[0]["qa"]["details"] == {
         "excluded": "leaked eval prompt"}
     qa = read_json(copy / "results/qa/shard-00000.json")
     assert qa["checks"]["excluded"]["total"] == 2 and qa["kept"] + qa["rejected"] == qa["records"]
     assert not {s for rule, s in planned_jobs(snakemake(copy, "-n", "--configfile", str(other)))
                 if rule == "validate"}
+    # a comment added at the top moves every id down a line: no shard's params change, nothing re-runs
+    drop = copy / "drop.txt"
+    drop.write_text("# reviewed again on Monday\n" + (work / "drop.txt").read_text())
+    config["validate"]["exclude"] = [str(drop), str(copy / "drop.jsonl")]
+    other.write_text(yaml.safe_dump(config))
+    shutil.copy(work / "drop.jsonl", copy / "drop.jsonl")
+    assert not {s for rule, s in planned_jobs(snakemake(copy, "-n", "--configfile", str(other)))
+                if rule == "validate"}
+
+
+def test_one_shard_target_with_exclusions(pipeline, tmp_path):
+    """A single shard as the target, with exclusions configured: its validate job's params wait for
+    the prompts' id index (an input), and only that shard is planned."""
+    work, _ = pipeline
+    shard_of = dict(line.split("\t") for line in (work / "results/prompts/ids.tsv").read_text().splitlines())
+    (work / "drop-one.txt").write_text(next(i for i, s in shard_of.items() if s == "00002") + "\n")
+    config = yaml.safe_load((work / "config.yaml").read_text())
+    config["validate"]["exclude"] = [str(work / "drop-one.txt")]
+    other = work / "exclude-one.yaml"
+    other.write_text(yaml.safe_dump(config))
+    jobs = planned_jobs(snakemake(work, "-n", "results/qa/shard-00002.json", "--configfile", str(other)))
+    assert jobs == {("validate", "00002")}
+    fresh = tmp_path / "fresh"  # nothing built yet: the prompts checkpoint comes first
+    fresh.mkdir()
+    (fresh / "config.yaml").write_text(yaml.safe_dump(config))
+    out = snakemake(fresh, "-n", "results/qa/shard-00002.json")
+    assert "checkpoint prompts:" in out and {rule for rule, _ in planned_jobs(out)} == {"target", "validate"}
 
 
 def test_changing_one_prompt_shard_reruns_only_that_shard(pipeline):
@@ -261,3 +287,21 @@ def test_killed_training_resumes_to_the_same_weights(pipeline, tmp_path):
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
     lines = lambda w: (w / "results/checkpoints/demo/train_log.jsonl").read_text().splitlines()  # noqa: E731
     assert [json.loads(x)["loss"] for x in lines(work)] == [json.loads(x)["loss"] for x in lines(runs["whole"])]
+
+
+def test_a_failing_job_says_why_in_one_line_on_the_console(pipeline, tmp_path):
+    """A completion shard cut short (an interrupted copy): the validate job fails, and the reason,
+    naming the file and what to do, is on the console, not only in the rule's log."""
+    work = tmp_path / "run"
+    shutil.copytree(pipeline[0], work, symlinks=True)
+    shard = work / "results" / "completions" / "shard-00000.jsonl.zst"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    out = snakemake(work, "--cores", "1", "results/qa/shard-00000.json", check=False)
+    line = re.search(r"^rule validate \(shard=00000\): (\S+): truncated zstd stream \((\d+) records read before the "
+                     r"cut\); .* \[log: (\S+)\]$", out, re.M)
+    assert line, out
+    assert line.group(1) == "results/completions/shard-00000.jsonl.zst" and line.group(3) == "results/logs/validate/00000.log"
+    assert "Traceback" not in out
+    log = (work / line.group(3)).read_text()
+    assert "Traceback" in log and "truncated zstd stream" in log  # the whole story stays in the log
+    assert not (work / "results" / "qa" / "shard-00000.json").exists()

@@ -127,7 +127,8 @@ def test_tool_call_replay_rows_are_token_exact_on_both_paths(tmp_path, tok):
 
 @pytest.mark.parametrize("thinking", [True, False])
 def test_windowed_boundary_check_agrees_with_encoding_the_whole_conversation(tok, thinking):
-    from dflash.tokenize import Encoder, render_conversation, render_prompt
+    from dflash.chat import render_conversation, render_prompt
+    from dflash.tokenize import Encoder
 
     enc = Encoder(tok)
     starts = ["Two plus two.", "\nA newline first.", "\n\nTwo newlines.", " A space.", "   \n  mixed", "123 digits",
@@ -155,3 +156,54 @@ def test_windowed_boundary_check_on_raw_continuations(tok, answer):
     full = prompt + answer
     whole = tok.encode(full, add_special_tokens=False)[:len(prompt_ids)] == prompt_ids
     assert Encoder(tok).boundaries_stable([prompt], [prompt_ids], [full]) == [whole]
+
+
+OPENAI_CALL = {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+def history(arguments) -> list[dict]:
+    """A replayed conversation as an OpenAI-format source holds it: the call's arguments are whatever
+    the source wrote (the wire's JSON string, or a mapping)."""
+    call = {**OPENAI_CALL, "function": {**OPENAI_CALL["function"], "arguments": arguments}}
+    return [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": '{"temp": 21}'}]
+
+
+def test_openai_style_history_with_string_arguments_renders_as_mappings(tmp_path, tok, capsys):
+    from tests.test_adopt import TOOLS
+
+    def rec(rid, arguments):
+        text = "It is 21C.\n</think>\n\n21C in Paris."
+        return {"id": rid, "category": "tool", "messages": history(arguments), "tools": TOOLS, "text": text,
+                "reasoning": "It is 21C.\n", "content": "\n\n21C in Paris.", "finish_reason": "stop",
+                "prompt_token_ids": None, "output_token_ids": None, "generation": {"enable_thinking": True}}
+
+    stats, t, index = run(tmp_path, tok, [rec("wire", '{"city": "Paris"}'), rec("mapping", {"city": "Paris"})])
+    off = t["offsets"].tolist()
+    assert stats["rows"] == 2 and t["input_ids"][off[0]:off[1]].tolist() == t["input_ids"][off[1]:off[2]].tolist()
+    assert "<parameter=city>\nParis\n</parameter>" in tok.decode(t["input_ids"][off[0]:off[1]].tolist())
+    # arguments that are not JSON: the record is named, nothing is written
+    write_jsonl_zst(tmp_path / "bad.jsonl.zst", [rec("fine", {"city": "Paris"}), rec("bad", '{"city": ')])
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/bad.jsonl.zst: record bad: tool call 'get_weather': "
+                                         r"arguments are not valid JSON \(Expecting value\)"):
+        tokenize_shard(tmp_path / "bad.jsonl.zst", tmp_path / "b.safetensors", tmp_path / "b.json", tok,
+                       {"max_length": 4096, "retokenize_sample": 1.0})
+    assert not (tmp_path / "b.safetensors").exists() and not (tmp_path / "b.json").exists()
+    # the CLI twin says so in one line
+    from dflash.cli import main
+    from tests.conftest import ROOT
+
+    rc = main(["tokenize", "--config", str(ROOT / "config.yaml"), "--validated", str(tmp_path / "bad.jsonl.zst"),
+               "--target", tok.name_or_path, "--out", str(tmp_path / "b.safetensors"), "--index", str(tmp_path / "b.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and err[-1].startswith(f"dflash tokenize: {tmp_path}/bad.jsonl.zst: record bad: tool call")
+    assert not any("Traceback" in line for line in err)
+
+
+def test_a_duplicated_id_is_refused(tmp_path, tok):
+    a = with_ids(tok, "a", "Two plus two is four.\n</think>\n\n4")
+    write_jsonl_zst(tmp_path / "v.jsonl.zst", [a, with_ids(tok, "b", "Four.\n</think>\n\n4"), a])
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/v.jsonl.zst: record id a appears twice"):
+        tokenize_shard(tmp_path / "v.jsonl.zst", tmp_path / "t.safetensors", tmp_path / "t.json", tok,
+                       {"max_length": 4096, "retokenize_sample": 1.0})
+    assert not (tmp_path / "t.safetensors").exists() and not (tmp_path / "t.json").exists()

@@ -76,6 +76,32 @@ def test_each_check_catches_its_problem(rec, code):
     assert code in reasons and not flags and details[code]
 
 
+CALL_BODY = "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>"
+
+
+@pytest.mark.parametrize("content,fmt,code", [
+    # a <function=...> block closed by a </tool_call> that was never opened (seen in a demo completion)
+    (f"\n\n{CALL_BODY}\n</tool_call>", "auto", "tool_bad_xml"),
+    (f"\n\n{CALL_BODY}\n</tool_call>", "xml", "tool_bad_xml"),
+    (f"Checking the weather.\n{CALL_BODY}", "auto", "tool_bad_xml"),
+    ("Paris.\n<parameter=city>\nParis\n</parameter>", "auto", "tool_bad_xml"),
+    ('{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "auto", "tool_bad_json"),
+    ('{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "json", "tool_bad_json"),
+    (f"{xml(city='Paris')}\n</tool_call>", "auto", "tool_bad_xml"),
+    # clearly XML, however broken: the XML code, not the Hermes one nor a schema complaint
+    ('<tool_call>\n<function name="get_weather">\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>',
+     "auto", "tool_bad_xml"),
+    ('<tool_call>\nget_weather(city="Paris", days=2)\n</tool_call>', "auto", "tool_bad_xml"),
+    ("<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+     "</tool_call>", "auto", "tool_bad_xml"),
+])
+def test_tool_markup_outside_a_well_formed_call_is_the_formats_code(content, fmt, code):
+    reasons, _, calls, details = judge(answer(content), {**CFG, "tool_format": fmt})
+    other = {"tool_bad_xml": "tool_bad_json", "tool_bad_json": "tool_bad_xml"}[code]
+    assert code in reasons and other not in reasons, details
+    assert "tool_missing_required" not in reasons and "tool_args_schema" not in reasons
+
+
 def test_good_records_pass_every_check():
     assert judge(GOOD, CFG) == ([], [], [], {})
     tool_only = record(f"{REASONING}\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
@@ -160,7 +186,7 @@ def test_excluded_ids_are_rejected_with_their_reason(tmp_path):
     (tmp_path / "ids.txt").write_text("# by hand\nt\n\nl-g1  # second step\n")
     (tmp_path / "ids.jsonl").write_text('{"id": "r", "reason": "leaked eval prompt"}\n')
     excluded = read_exclusions([tmp_path / "ids.txt", tmp_path / "ids.jsonl"])
-    assert excluded == {"t": f"listed in {tmp_path}/ids.txt:2", "l-g1": f"listed in {tmp_path}/ids.txt:4",
+    assert excluded == {"t": "listed in validate.exclude", "l-g1": "listed in validate.exclude",
                         "r": "leaked eval prompt"}
     recs = [GOOD, {**GOOD, "id": "t-g1", "prompt_id": "t"}, {**GOOD, "id": "l", "prompt_id": "l"},
             {**GOOD, "id": "l-g1", "prompt_id": "l"}]
@@ -194,8 +220,8 @@ def test_exclusions_map_to_the_prompt_shards_holding_them(tmp_path):
 
 
 def test_qa_shows_examples_around_the_problem_and_length_statistics(tmp_path):
-    bad_args = answer(xml(city="Paris", days="soon"))
-    recs = [GOOD, STORY_LOOP, bad_args, record("\n\n</think>\nOK.", rid="t")]
+    bad_args = {**answer(xml(city="Paris", days="soon")), "id": "args"}
+    recs = [GOOD, {**STORY_LOOP, "id": "loop"}, bad_args, record("\n\n</think>\nOK.", rid="t")]
     write_jsonl_zst(tmp_path / "c.jsonl.zst", recs)
     rep = validate_shard(tmp_path / "c.jsonl.zst", tmp_path / "v.jsonl.zst", tmp_path / "r.jsonl.zst",
                          tmp_path / "qa.json", CFG)
@@ -239,3 +265,11 @@ def test_token_ids_pass_through_unparsed_and_a_lookalike_in_text_is_harmless(tmp
                    {**CFG, "checks": {"text_after_tool_call": "flag"}})
     kept = read_jsonl(tmp_path / "v.jsonl.zst")
     assert [{k: v for k, v in r.items() if k != "qa"} for r in kept] == recs
+
+
+def test_a_duplicated_id_is_refused_and_nothing_written(tmp_path):
+    write_jsonl_zst(tmp_path / "c.jsonl.zst", [GOOD, {**GOOD, "id": "other"}, GOOD])
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/c.jsonl.zst: record id r appears twice"):
+        validate_shard(tmp_path / "c.jsonl.zst", tmp_path / "v.jsonl.zst", tmp_path / "r.jsonl.zst",
+                       tmp_path / "qa.json", CFG)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl.zst"]

@@ -1,0 +1,50 @@
+"""How a failure reaches the user: one line naming the file, line or id and what to do, from the
+CLI and from every rule script; the traceback only on request (``--debug`` or ``DFLASH_DEBUG=1``).
+
+Expected conditions (bad input, a truncated shard, a full disk, a server that is down, a template
+that refuses a conversation) raise ``ValueError``, ``OSError`` or ``RuntimeError`` with a message
+written for the user. Anything else is a bug: its line says so and how to see the traceback.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+EXPECTED = (ValueError, OSError, RuntimeError)  # OSError: missing files, full disks, unreachable servers
+
+
+def debug_requested() -> bool:
+    return os.environ.get("DFLASH_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def describe(error: BaseException) -> str:
+    """The message a user sees for ``error``."""
+    if isinstance(error, OSError) and error.filename is not None and error.strerror and not str(error).startswith(
+            str(error.filename)):
+        return f"{error.filename}: {error.strerror}"
+    if isinstance(error, EXPECTED) and str(error):
+        return str(error)
+    return (f"{type(error).__name__}: {error} (an internal error: run with --debug or DFLASH_DEBUG=1 for the "
+            f"traceback, and report it)")
+
+
+def install_job_hook(rule: str, wildcards: str, log_file: str) -> None:
+    """For a rule script whose stderr goes to its log: an uncaught error writes its traceback to
+    the log and its one line to the console (the stderr Snakemake started the job with), where
+    the run stops; the whole traceback goes there too when debugging is requested."""
+
+    def hook(kind, error, tb):
+        if issubclass(kind, KeyboardInterrupt):
+            return sys.__excepthook__(kind, error, tb)
+        traceback.print_exception(kind, error, tb, file=sys.stderr)
+        console = sys.__stderr__
+        if debug_requested():
+            traceback.print_exception(kind, error, tb, file=console)
+        lines = describe(error).split("\n")
+        more = f" ({len(lines) - 1} more lines in the log)" if len(lines) > 1 else ""
+        where = f"rule {rule}" + (f" ({wildcards})" if wildcards else "")
+        print(f"{where}: {lines[0]}{more} [log: {log_file}]", file=console, flush=True)
+        print(f"{where} failed: {describe(error)}", file=sys.stderr, flush=True)
+
+    sys.excepthook = hook
