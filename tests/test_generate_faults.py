@@ -101,6 +101,7 @@ def test_a_dead_server_fails_the_job_at_once_keeping_what_finished(tmp_path, tar
     # the CLI twin: one line
     config = tmp_path / "config.yaml"
     config.write_text(json.dumps({"prompts": {"sources": [{"name": "x", "path": "x.jsonl"}]}, "generate": cfg}))
+    capsys.readouterr()
     rc = main(["generate", "--config", str(config), "--prompts", str(tmp_path / "p.jsonl.zst"), "--target",
                str(target_dir), "--out", str(tmp_path / "c.jsonl.zst")])
     err = capsys.readouterr().err.splitlines()

@@ -56,7 +56,7 @@ def test_a_cut_shard_fails_every_reader_and_writes_nothing(tmp_path, capsys, tar
         read = re.fullmatch(rf"dflash validate: {cut_shard}: truncated zstd stream \((\d+) records read before the "
                             r"cut\); .*\n", err)
         assert rc == 1 and read, (cut, err)
-        assert int(read.group(1)) < len(recs)
+        assert int(read.group(1)) <= len(recs)  # a cut in the checksum leaves every record whole, yet the frame open
         assert written(out) == []
         if n % 8 == 0:  # the other readers, at fewer points (each loads a tokenizer)
             rc, _, err = cli(capsys, "tokenize", "--config", ROOT / "config.yaml", "--validated", cut_shard,

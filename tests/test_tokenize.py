@@ -193,11 +193,12 @@ def test_openai_style_history_with_string_arguments_renders_as_mappings(tmp_path
     from dflash.cli import main
     from tests.conftest import ROOT
 
+    capsys.readouterr()
     rc = main(["tokenize", "--config", str(ROOT / "config.yaml"), "--validated", str(tmp_path / "bad.jsonl.zst"),
                "--target", tok.name_or_path, "--out", str(tmp_path / "b.safetensors"), "--index", str(tmp_path / "b.json")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and err[-1].startswith(f"dflash tokenize: {tmp_path}/bad.jsonl.zst: record bad: tool call")
-    assert not any("Traceback" in line for line in err)
+    assert not any("Traceback" in line for line in err), err
 
 
 def test_a_duplicated_id_is_refused(tmp_path, tok):
