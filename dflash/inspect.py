@@ -86,12 +86,6 @@ def read_entries(path: str) -> Iterator[Entry]:
         yield from _tensor_rows(local, index_local)
 
 
-def read_records(path: str) -> Iterator[dict]:
-    """Every record of a shard, whole."""
-    for _, whole in read_entries(path):
-        yield whole()
-
-
 def matches(rec: dict, categories: list[str], reasons: list[str], flags: list[str], ids: list[str]) -> bool:
     qa = rec.get("qa") or {}
     return ((not categories or rec.get("category") in categories)
