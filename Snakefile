@@ -1,18 +1,26 @@
 # dflash-pipeline: prompts -> completions -> validated -> tokenized -> hidden -> checkpoints -> eval.
 # Each stage is a rule over files (rules/*.smk), so Snakemake re-runs only what is stale.
 import json
+import os
 import sys
+
+import yaml
 
 from snakemake.utils import min_version, validate
 
-from dflash.config import check_config, schema_path
+from dflash.config import ConfigError, check_config, demo_sized_problem, schema_path
 from dflash.workflow import (demo_target_sources, layer_selection, prompt_check_settings, record_settings, shard_ids,
                              target_dir)
 
 min_version("9.0")
 
 
-configfile: "config.yaml"
+# The demo's config.yaml is read only when no --configfile is given: a real run's file is its whole
+# config (the schema's defaults fill the rest), so the tiny demo's sizes never flow into it.
+DEMO_CONFIG = "config.yaml"
+if not workflow.overwrite_configfiles:
+
+    configfile: DEMO_CONFIG
 
 
 # Our check first: it names the file and the misspelt key, and fills the defaults. Snakemake's
@@ -20,14 +28,39 @@ configfile: "config.yaml"
 # be null (generate.server.launch), and has nothing left to fill.
 check_config(config, source=", ".join(map(str, workflow.configfiles)) or "config")
 validate(config, str(schema_path()), set_default=False)
+if workflow.overwrite_configfiles:
+    # ... and a copy of the shipped demo file pointed at a real model is refused by name
+    with open(os.path.join(workflow.basedir, DEMO_CONFIG)) as demo_file:
+        problem = demo_sized_problem(config, yaml.safe_load(demo_file), ", ".join(map(str, workflow.configfiles)),
+                                     DEMO_CONFIG)
+    if problem:
+        raise ConfigError(problem)
 
 OUT = config["output_dir"]
 RUN = config["run"]
 TARGET = target_dir(config)
 ONLINE = config["train"]["hidden_states"] == "online"
 LAUNCH = config["generate"]["server"]["launch"]  # null: no serve jobs, the server is the user's
+# Snakemake would quietly cut a job's claim to the machine's GPUs (--resources gpu=N, counted by
+# profiles/local) and run it on fewer than it starts processes for.
+GPUS = workflow.global_resources.get("gpu").value
+if GPUS is not None:
+    for key, claim in [("train.gpus", config["train"]["gpus"])] + ([("generate.server.launch.gpus", LAUNCH["gpus"])]
+                                                                     if LAUNCH else []):
+        if claim > GPUS:
+            raise ConfigError(f"{key} is {claim}, but this run offers {GPUS} GPU(s) (--resources gpu, which "
+                              f"profiles/local sets to the machine's count): lower {key} or run on a bigger node")
 LOGS = f"{OUT}/logs"
 BENCH = f"{OUT}/benchmarks"
+
+
+# Light jobs that read a few small files: on a cluster they run where snakemake runs, not as sbatch jobs.
+localrules:
+    all,
+    qa_summary,
+    gate,
+    qa_report,
+    report,
 
 
 wildcard_constraints:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 import re
 import shlex
 import string
@@ -139,3 +140,36 @@ def load_config(path: str | Path, overrides: dict | None = None) -> dict:
     if overrides:
         config.update(overrides)
     return check_config(config, source=str(path))
+
+
+# Sizes that suit the tiny demo target and would waste a real run: a config holding several of the
+# demo's values for a real target was copied from the demo.
+DEMO_SIZED = ("drafter.target_layer_ids", "train.num_anchors", "train.lr", "eval.max_new_tokens",
+              "generate.sampling.max_tokens")
+
+
+def _at(config: dict, dotted: str):
+    for part in dotted.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
+
+
+def demo_sized_problem(config: dict, demo: dict, source: str, demo_source: str) -> str | None:
+    """Why ``config`` must not run: it names a real target (``target.path``, a model with more layers
+    than the demo builds) yet holds two or more of the demo's values of ``DEMO_SIZED``; None if fine."""
+    path = config["target"]["path"]
+    if not path:
+        return None
+    try:
+        layers = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+        layers = layers.get("text_config", layers).get("num_hidden_layers", 0)
+    except (OSError, ValueError, AttributeError):
+        return None  # not readable here (the model may live on the GPU nodes only): nothing to compare
+    if layers <= _at(demo, "target.build.num_layers"):
+        return None
+    same = [k for k in DEMO_SIZED if _at(demo, k) is not None and _at(config, k) == _at(demo, k)]
+    if len(same) < 2:
+        return None
+    values = ", ".join(f"{k} {_at(config, k)}" for k in same)
+    return (f"{source}: target.path {path} is a {layers}-layer model, but {values} are the tiny demo's "
+            f"values ({demo_source}); set them for this model (config/qwen3.6-27b.yaml is a complete real-run config)")

@@ -6,6 +6,9 @@ token, special tokens kept, so later stages never have to re-tokenize to know wh
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -355,6 +358,46 @@ def partial_path(out_path: str | Path) -> Path:
     return out_path.with_name(f".{out_path.name}.partial.jsonl")
 
 
+@contextlib.contextmanager
+def shard_lock(out_path: Path, poll_s: float = 5.0):
+    """Hold the shard's lock file while writing it. A job left running by a killed snakemake (its
+    SLURM job lives on) and its re-run would both append to the partial file: the re-run waits
+    here until the first one ends. Needs flock on the shared file system (NFSv4; Lustre mounted
+    with -o flock); where it has none, the job goes on with a warning."""
+    lock = Path(out_path).with_name(f".{Path(out_path).name}.lock")
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("%s: another job is writing this shard (an earlier run's job still running?); "
+                        "waiting for it to end", out_path)
+            while True:
+                time.sleep(poll_s)
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    continue
+            log.info("%s: the other job ended; going on from what it left", out_path)
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            log.warning("%s: no file locks on this file system (%s): run one job per shard at a time", lock, e)
+        yield
+
+
+def keep_finished_output(out_path: Path, partial: Path) -> None:
+    """A shard file that appeared while this job waited for the lock (the earlier job finished it
+    after Snakemake had cleared the outputs for this one): its good records join the partial
+    file, so none is generated twice."""
+    if not out_path.exists():
+        return
+    with naming_full_disk(partial), open(partial, "a", encoding="utf-8") as sink:
+        sink.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in iter_jsonl(out_path)
+                           if r["finish_reason"] != "error"))
+    out_path.unlink()
+
+
 def finished(records: list[dict]) -> bool:
     """A prompt's records are complete: its single generation, or a replay whose last record stops."""
     return bool(records) and ("replay" not in records[-1] or records[-1]["replay"]["stop"] is not None)
@@ -363,8 +406,10 @@ def finished(records: list[dict]) -> bool:
 def load_partial(path: Path, wanted: set[str]) -> dict[str, list[dict]]:
     """Finished prompts of an interrupted run (prompt id -> records), rewritten clean: a line torn
     by a kill is dropped (appending after it would corrupt the next record), as are a replay cut
-    short by it and ids not in this shard."""
+    short by it, ids not in this shard and a second copy of a record (an earlier job killed
+    between writing its shard and removing this file)."""
     found: dict[str, list[dict]] = {}
+    seen: set[str] = set()
     if not path.exists():
         return {}
     with open(path, encoding="utf-8") as f:
@@ -373,7 +418,8 @@ def load_partial(path: Path, wanted: set[str]) -> dict[str, list[dict]]:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if rec.get("prompt_id") in wanted:
+            if rec.get("prompt_id") in wanted and rec.get("id") not in seen:  # a record kept twice counts once
+                seen.add(rec["id"])
                 found.setdefault(rec["prompt_id"], []).append(rec)
     done = {pid: recs for pid, recs in found.items() if finished(recs)}
     with atomic_path(path) as tmp:
@@ -399,6 +445,13 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
         raise ValueError(f"{prompts_path}: prompt id {twice[0]} appears more than once ({len(twice)} duplicated ids); "
                          f"every prompt id must be unique: re-run the prompts rule")
     partial = partial_path(out_path)
+    with shard_lock(out_path):
+        keep_finished_output(Path(out_path), partial)
+        return _generate_shard(prompts, ids, prompts_path, out_path, partial, target_dir, cfg, summary_path)
+
+
+def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out_path: Path, partial: Path,
+                    target_dir: Path, cfg: dict, summary_path: Path | None) -> dict:
     done = load_partial(partial, set(ids))
     resumed = len(done)
     pending = [p for p in prompts if p["id"] not in done]

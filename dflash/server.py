@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dflash.config import render_command
 from dflash.io import read_json, write_json
-from dflash.workflow import log_to
+from dflash.workflow import job_context, log_to
 
 log = logging.getLogger("dflash.server")  # not __main__ under python -m
 
@@ -210,13 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="model folder, the command's {model}")
     p.add_argument("--served-model-name", required=True, help="the command's {served_model_name}")
     p.add_argument("--launch", type=json.loads, required=True, help="generate.server.launch as JSON")
-    p.add_argument("--index", type=int, default=0, help="which of launch.instances this is")
+    p.add_argument("--index", type=int, default=0, help="which server of the run this is (its port: launch.port + index)")
     p.add_argument("--log", type=Path, required=True, help="this launcher's log")
     p.add_argument("--server-log", type=Path, required=True, help="the server's stdout and stderr")
     a = p.parse_args(argv)
     if _LIBC:
         _die_with_parent()
     log_to(a.log)
+    log.info("serve: %s", job_context())
     return serve(a.service, a.model, a.launch, a.index, a.server_log, a.served_model_name)
 
 

@@ -47,6 +47,15 @@ def log_to(log_file: str | Path) -> None:
     setup_logging(log_file)
 
 
+def job_context() -> str:
+    """Where a job runs, for the first line of its log: the host, the SLURM job and the GPUs it sees."""
+    import socket
+
+    slurm = os.environ.get("SLURM_JOB_ID")
+    return (f"host {socket.gethostname()}" + (f", SLURM job {slurm}" if slurm else "")
+            + f", CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}")
+
+
 def notice(logger: logging.Logger, message: str) -> None:
     """A warning worth seeing although the job succeeds: in its log, and on the console when the
     log is a rule's (Snakemake shows a log only when the job fails)."""
@@ -61,6 +70,7 @@ def start_job(snakemake) -> None:
     from dflash.errors import install_job_hook
 
     log_to(snakemake.log[0])
+    logging.getLogger("dflash.job").info("rule %s: %s", snakemake.rule, job_context())
     install_job_hook(snakemake.rule, ", ".join(f"{k}={v}" for k, v in snakemake.wildcards.items()), snakemake.log[0])
     set_threads(snakemake.threads)
 

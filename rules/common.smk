@@ -33,13 +33,14 @@ def after_prompts(pattern):
 
 def server_file(wildcards):
     """Input function: the service file of the started server (generate.server.launch) a shard's
-    generate job uses, round robin over the instances; none when the server is the user's."""
+    generate job uses: consecutive blocks of shards_per_server shards share one; none when the
+    server is the user's."""
     if not LAUNCH:
         return []
     # Only once the prompts exist: a group formed before the checkpoint ran is reused by Snakemake
     # 9.27 with the generate jobs the checkpoint replaced still in it, and they would run twice.
     checkpoints.prompts.get()
-    return f"{OUT}/servers/{int(wildcards.shard) % LAUNCH['instances']}.json"
+    return f"{OUT}/servers/{int(wildcards.shard) // LAUNCH['shards_per_server']}.json"
 
 
 @functools.cache

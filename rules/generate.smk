@@ -1,6 +1,7 @@
 rule serve:
     """The inference server of generate.server.launch for the generate jobs that use it: they form
-    one group job and run at once; Snakemake stops the server (SIGTERM) when the last one ends.
+    one group job (on SLURM: one sbatch job, one node) and run at once; Snakemake stops the server
+    (SIGTERM) when the last one ends.
     A shell rule: Snakemake 9.27 stops only shell jobs (a script service would never be stopped),
     and exec lets its SIGTERM reach the launcher. Snakemake's own Python runs the launcher, so the
     conda env only needs the server."""
@@ -43,7 +44,9 @@ rule generate:
         settings=record_settings(config["generate"]),
     group:
         "generate" if LAUNCH else None
-    threads: 1
+    # A client of a started server claims no core: a group's jobs all run at once and Snakemake sums
+    # their cores, so one core each would make even a dry run need --cores >= shards_per_server + 1.
+    threads: 0 if LAUNCH else 1
     resources:
         # The in-process model needs the GPU; a server holds its own (the serve job claims them).
         gpu=1 if config["generate"]["backend"] == "transformers" else 0,

@@ -114,3 +114,35 @@ def test_resume_skips_finished_records_and_drops_a_torn_line(tmp_path, prompt_sh
     assert summary["resumed"] == 2 and summary["requests"] == len(prompts) - 2
     assert read_jsonl(out) == full  # every id exactly once, in prompt order, same samples (per-id seeds)
     assert not partial_path(out).exists()
+
+
+def test_a_second_job_on_a_shard_waits_and_keeps_what_the_first_wrote(tmp_path, prompt_shard, target_dir):
+    """A job orphaned by a killed snakemake still holds the shard's lock: the re-run waits for it,
+    then takes the shard the orphan finished (written after Snakemake cleared the outputs) as done,
+    and a record found both there and in a partial file left by a kill counts once."""
+    import fcntl
+    import subprocess
+    import sys
+    import time
+
+    path, prompts = prompt_shard
+    out = tmp_path / "shard-00000.jsonl.zst"
+    generate_shard(path, tmp_path / "first.jsonl.zst", target_dir, gen_cfg())
+    first = read_jsonl(tmp_path / "first.jsonl.zst")
+    lock = tmp_path / ".shard-00000.jsonl.zst.lock"
+    # the orphan: holds the lock 3 s, then leaves the finished shard and (killed before removing
+    # it) a partial file with two of its records
+    orphan = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, shutil, sys, time\n"
+        f"f = open({str(lock)!r}, 'a'); fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(3)\n"
+        f"shutil.copy({str(tmp_path / 'first.jsonl.zst')!r}, {str(out)!r})\n"
+        f"open({str(partial_path(out))!r}, 'w').write({''.join(json.dumps(r) + chr(10) for r in first[:2])!r})\n")],
+        stdout=subprocess.PIPE, text=True)
+    assert orphan.stdout.readline().strip() == "locked"
+    t0 = time.time()
+    summary = generate_shard(path, out, target_dir, gen_cfg())
+    assert time.time() - t0 >= 2 and orphan.wait(timeout=10) == 0
+    assert summary["resumed"] == len(prompts) and summary["requests"] == 0
+    assert read_jsonl(out) == first and not partial_path(out).exists()
+    with open(lock) as f:  # released
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -37,7 +37,7 @@ def config(**launch) -> dict:
 def test_launch_defaults_and_clear_errors():
     launch = config(command="python -m sglang.launch_server --model-path {model} --port {port}")
     assert launch["generate"]["server"]["launch"] == {
-        "command": "python -m sglang.launch_server --model-path {model} --port {port}", "instances": 1, "gpus": 1,
+        "command": "python -m sglang.launch_server --model-path {model} --port {port}", "shards_per_server": 64, "gpus": 1,
         "host": "127.0.0.1", "port": None, "health_path": "/health", "startup_timeout_s": 1800, "env": {}}
     both = {"prompts": {"sources": [{"name": "a", "path": "a.jsonl"}]},
             "generate": {"server": {"url": "http://127.0.0.1:30000/v1", "launch": {"command": "serve {model}"}}}}
@@ -122,18 +122,18 @@ def test_server_dies_with_a_killed_launcher(tmp_path):
     assert gone(pid) and not listening(port)
 
 
-def test_plan_has_one_server_per_instance_and_shards_round_robin(tmp_path, demo_sources):
+def test_plan_has_one_server_per_block_of_shards_and_needs_no_cores(tmp_path, demo_sources):
     sources = demo_slice(demo_sources, tmp_path, train=4, heldout=1)  # 4 shards of 4
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
     cfg["prompts"] = {"shard_size": 4, "sources": sources}
     cfg["generate"] = {"backend": "openai", "server": {
         "dialect": "sglang", "launch": {"command": "python -m sglang.launch_server --model-path {model}",
-                                        "instances": 2, "gpus": 8}}}
+                                        "shards_per_server": 2, "gpus": 8}}}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     snakemake(tmp_path, "--cores", "1", "prompts")
     shards = [f"{i:05d}" for i in range(4)]
-    # A group of a server and its 2 generate jobs claims 3 cores: even a dry run needs them.
-    plan = snakemake(tmp_path, "-n", "--cores", "3", *[f"results/completions/shard-{s}.jsonl.zst" for s in shards])
+    # The generate jobs of a started server claim no core: a plain dry run (one core) plans the groups.
+    plan = snakemake(tmp_path, "-n", *[f"results/completions/shard-{s}.jsonl.zst" for s in shards])
     jobs = [block for block in re.split(r"\n(?=\s*\[)", plan) if "rule serve:" in block or "rule generate:" in block]
     serves = sorted(re.search(r"output: (\S+) \(service\)", b).group(1) for b in jobs if "rule serve:" in b)
     assert serves == ["results/servers/0.json", "results/servers/1.json"]
@@ -141,7 +141,7 @@ def test_plan_has_one_server_per_instance_and_shards_round_robin(tmp_path, demo_
     generates = {re.search(r"shard=(\d{5})", b).group(1): b for b in jobs if "rule generate:" in b}
     assert sorted(generates) == shards
     for shard, block in generates.items():
-        assert f"results/servers/{int(shard) % 2}.json" in block and "gpu=0" in block
+        assert f"results/servers/{int(shard) // 2}.json" in block and "gpu=0" in block and "threads: 0" in block
     assert plan.count("Group job generate") == 2
 
 

@@ -1,0 +1,180 @@
+"""Profiles and configs for real runs, planned by real Snakemake dry runs: the SLURM profiles with
+the site file, the local profile's GPU count, the shipped real-run config, and the guard that
+keeps the demo's sizes out of a real run."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash.cluster import SiteError, local_gpus, site
+from dflash.config import DEMO_SIZED, _at, demo_sized_problem, load_config
+from tests.conftest import ROOT
+
+REAL = ROOT / "config" / "qwen3.6-27b.yaml"
+
+
+def dry_run(work: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "-d", str(work), "-n", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+def fake_model(path: Path, layers: int = 64) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "num_hidden_layers": layers}))
+    return path
+
+
+def real_workdir(work: Path, shards: int = 3, **server) -> Path:
+    """The shipped real-run config with local stand-ins (a 64-layer model folder, empty sources) and
+    a prompts checkpoint already written (a dry run reads only its manifest)."""
+    cfg = yaml.safe_load(REAL.read_text())
+    cfg["output_dir"] = str(work / "results")
+    cfg["target"]["path"] = str(fake_model(work / "model"))
+    for src in cfg["prompts"]["sources"]:
+        src["path"] = str(work / Path(src["path"]).name)
+        Path(src["path"]).touch()
+    if server:
+        cfg["generate"]["server"].update(server)
+    (work / "real.yaml").write_text(yaml.safe_dump(cfg))
+    prompts = work / "results" / "prompts"
+    prompts.mkdir(parents=True)
+    names = [f"shard-{i:05d}.jsonl.zst" for i in range(shards)] + ["heldout.jsonl.zst"]
+    for name in names:
+        (prompts / name).touch()
+    (prompts / "manifest.json").write_text(json.dumps({"shards": [{"name": n, "records": 500} for n in names[:-1]]}))
+    return work / "real.yaml"
+
+
+def test_the_real_run_config_is_complete_and_sized_for_qwen36_27b():
+    cfg = load_config(REAL)
+    demo = yaml.safe_load((ROOT / "config.yaml").read_text())
+    assert [k for k in DEMO_SIZED if _at(cfg, k) == _at(demo, k)] == []
+    assert cfg["drafter"]["num_layers"] == 5 and cfg["drafter"]["target_layer_ids"] is None
+    assert cfg["drafter"]["block_size"] == 16 and cfg["drafter"]["mask_token_id"] == 248070
+    assert cfg["train"]["num_anchors"] == 512 and cfg["generate"]["sampling"]["max_tokens"] == 4096
+    launch = cfg["generate"]["server"]["launch"]
+    assert "--dp 8" in launch["command"] and launch["gpus"] == cfg["train"]["gpus"] == 8
+    assert cfg["prompts"]["shard_size"] == 500 and cfg["train"]["hidden_states"] == "online"
+
+
+def test_a_configfile_inherits_nothing_from_the_demo(tmp_path):
+    """With --configfile, the demo's config.yaml is not read: a real config that leaves the drafter
+    and training keys out gets the schema's sizes, so the guard against the demo's sizes (which a
+    merge with the demo would trip) stays quiet and the plan is made."""
+    (tmp_path / "config.yaml").write_text((ROOT / "config.yaml").read_text())  # the demo, where snakemake runs
+    real = yaml.safe_load(real_workdir(tmp_path).read_text())
+    for section in ("drafter", "train", "eval"):
+        real.pop(section)
+    real["generate"]["server"]["launch"] = None
+    real["generate"]["server"]["url"] = "http://127.0.0.1:30000/v1"
+    (tmp_path / "lean.yaml").write_text(yaml.safe_dump(real))
+    run = dry_run(tmp_path, "--configfile", str(tmp_path / "lean.yaml"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "generate" in run.stdout and "demo" not in run.stdout.split("Job stats")[0].split("Config file")[-1]
+
+
+def test_a_copy_of_the_demo_pointed_at_a_real_model_is_refused(tmp_path):
+    demo = yaml.safe_load((ROOT / "config.yaml").read_text())
+    demo["target"]["path"] = str(fake_model(tmp_path / "Qwen3.6-27B"))
+    demo["prompts"]["sources"] = [{**s, "path": str(ROOT / s["path"])} for s in demo["prompts"]["sources"]]
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(demo))
+    run = dry_run(tmp_path, "--configfile", str(tmp_path / "mine.yaml"))
+    assert run.returncode == 1
+    out = run.stdout + run.stderr
+    assert "is a 64-layer model, but drafter.target_layer_ids [1, 3], train.num_anchors 16, train.lr 0.003" in out
+    assert "config/qwen3.6-27b.yaml" in out and str(tmp_path / "mine.yaml") in out
+    assert not (tmp_path / "results").exists()
+
+
+def test_the_demo_guard_spares_tiny_targets_and_single_coincidences(tmp_path):
+    demo = yaml.safe_load((ROOT / "config.yaml").read_text())
+    cfg = load_config(ROOT / "config.yaml")
+    cfg["target"]["path"] = str(fake_model(tmp_path / "tiny", layers=4))  # a test target as small as the demo's
+    assert demo_sized_problem(cfg, demo, "x.yaml", "config.yaml") is None
+    cfg = load_config(REAL)
+    cfg["target"]["path"] = str(fake_model(tmp_path / "big"))
+    cfg["train"]["lr"] = demo["train"]["lr"]  # one value chosen on purpose
+    assert demo_sized_problem(cfg, demo, "x.yaml", "config.yaml") is None
+    cfg["eval"]["max_new_tokens"] = demo["eval"]["max_new_tokens"]
+    assert "train.lr 0.003, eval.max_new_tokens 128" in demo_sized_problem(cfg, demo, "x.yaml", "config.yaml")
+    cfg["target"]["path"] = str(tmp_path / "not-here")  # only on the GPU nodes: nothing to compare
+    assert demo_sized_problem(cfg, demo, "x.yaml", "config.yaml") is None
+
+
+def test_local_gpu_count(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    assert local_gpus() == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert local_gpus() == 1  # none visible: the GPU stages still run, one at a time, on CPU
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert local_gpus() == max(1, len(list(Path("/proc/driver/nvidia/gpus").glob("*"))))
+
+
+def test_a_job_claiming_more_gpus_than_the_machine_is_refused(tmp_path):
+    """Snakemake would cut train's claim to the machine's count and start train.gpus processes anyway."""
+    cfg = yaml.safe_load((ROOT / "config.yaml").read_text().replace("data/demo", str(ROOT / "data/demo")))
+    for gpus, rc in [(4, 1), (2, 0)]:
+        cfg["train"]["gpus"] = gpus
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+        run = dry_run(tmp_path, "--profile", str(ROOT / "profiles" / "local"), env={"CUDA_VISIBLE_DEVICES": "0,1"})
+        assert run.returncode == rc, run.stdout[-2000:]
+    assert "train.gpus is 2" not in run.stdout
+    run = dry_run(tmp_path, "--profile", str(ROOT / "profiles" / "local"), env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert run.returncode == 1 and "train.gpus is 2, but this run offers 1 GPU(s)" in run.stdout + run.stderr
+
+
+def site_file(tmp_path: Path, **changes) -> Path:
+    data = yaml.safe_load((ROOT / "profiles" / "site.yaml").read_text())
+    data.update(changes)
+    path = tmp_path / "site.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_site_file_names_reach_every_job_of_the_b200_plan(tmp_path):
+    """One file holds the cluster's names; the profile puts them on the jobs: GPU stages on the GPU
+    partition with the gres type, CPU stages on the CPU partition, account on all, qos on GPU jobs.
+    A started server and the generate jobs of its shards plan as one group each, with no --cores."""
+    site = site_file(tmp_path, account="proj-17", qos="high", cpu_partition="short",
+                     b200={"partition": "gpu-b200", "gpu_model": "nvidia_b200"})
+    real = real_workdir(tmp_path, shards=5)
+    cfg = yaml.safe_load(real.read_text())
+    cfg["generate"]["server"]["launch"]["shards_per_server"] = 2
+    real.write_text(yaml.safe_dump(cfg))
+    run = dry_run(tmp_path, "--profile", str(ROOT / "profiles" / "slurm-b200"), "--configfile", str(real),
+                  env={"DFLASH_SITE": str(site)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    assert out.count("Group job generate") == 3  # shards 0-1, 2-3, 4
+    blocks = {b.split(":")[0].split()[-1]: b for b in out.split("rule ")[1:]}
+    serve, generate, validate = blocks["serve"], blocks["generate"], blocks["validate"]
+    for block in (serve, generate):
+        assert "slurm_partition=gpu-b200" in block and "gpu_model=nvidia_b200" in block and "qos=high" in block
+        assert "slurm_account=proj-17" in block
+    assert "gpu=8" in serve and "nodes=1" in serve and "mem_mb=1500000" in serve and "cpus_per_gpu=12" in serve
+    assert "gpu=0" in generate and "threads: 0" in generate and "mem_mb=2000" in generate
+    assert "slurm_partition=short" in validate and "slurm_account=proj-17" in validate and "qos" not in validate
+    assert "gpu_model" not in validate
+
+
+def test_a_wrong_site_file_stops_before_any_job(tmp_path):
+    bad = site_file(tmp_path, acount="proj")
+    with pytest.raises(SiteError, match="unknown key.*acount"):
+        os.environ["DFLASH_SITE"] = str(bad)
+        try:
+            site("b200")
+        finally:
+            del os.environ["DFLASH_SITE"]
+    (tmp_path / "config.yaml").write_text((ROOT / "config.yaml").read_text())
+    run = dry_run(tmp_path, "--profile", str(ROOT / "profiles" / "slurm-rtxpro6000"), env={"DFLASH_SITE": str(bad)})
+    assert run.returncode != 0 and "unknown key(s) acount" in run.stdout + run.stderr
+    quoted = site_file(tmp_path, rtxpro6000={"partition": "'rtx'", "gpu_model": "rtx_pro_6000"})
+    run = dry_run(tmp_path, "--profile", str(ROOT / "profiles" / "slurm-rtxpro6000"), env={"DFLASH_SITE": str(quoted)})
+    assert run.returncode != 0 and "rtxpro6000.partition must be a SLURM name" in run.stdout + run.stderr
+    missing = dry_run(tmp_path, "--profile", str(ROOT / "profiles" / "slurm-b200"),
+                      env={"DFLASH_SITE": str(tmp_path / "nope.yaml")})
+    assert missing.returncode != 0 and "nope.yaml: no site file" in missing.stdout + missing.stderr
