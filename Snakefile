@@ -9,6 +9,7 @@ import yaml
 from snakemake.utils import min_version, validate
 
 from dflash.config import ConfigError, check_config, demo_sized_problem, schema_path
+from dflash.storage import check_s3_prefix
 from dflash.workflow import (demo_target_sources, layer_selection, prompt_check_settings, record_settings, shard_ids,
                              target_dir)
 
@@ -39,6 +40,24 @@ if workflow.overwrite_configfiles:
 OUT = config["output_dir"]
 RUN = config["run"]
 TARGET = target_dir(config)
+STORED = bool(workflow.storage_settings.default_storage_provider)  # outputs in S3 (--default-storage-provider)
+
+
+def external(path):
+    """A file from outside the pipeline (a prompt source, a model folder): read where it is, never
+    looked up in the default storage that holds the outputs. With outputs in a storage its time
+    says nothing (a new machine's copy is newer than the outputs made from it): ancient, so a
+    changed source is re-run with --forcerun prompts."""
+    return ancient(local(path)) if STORED else local(path)
+
+
+TARGET_INPUT = external(TARGET) if config["target"]["path"] else TARGET
+if STORED and workflow.storage_settings.default_storage_provider == "s3":
+    # One line before any job, instead of a traceback from the first existence check.
+    problem = check_s3_prefix(workflow.storage_settings.default_storage_prefix,
+                              workflow.storage_registry.default_storage_provider.s3c)
+    if problem:
+        raise ConfigError(problem)
 ONLINE = config["train"]["hidden_states"] == "online"
 LAUNCH = config["generate"]["server"]["launch"]  # null: no serve jobs, the server is the user's
 # Snakemake would quietly cut a job's claim to the machine's GPUs (--resources gpu=N, counted by

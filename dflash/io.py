@@ -299,22 +299,46 @@ def local_copy(path: str | os.PathLike) -> Iterator[Path]:
             raise FileNotFoundError(f"{path}: no such file")
         yield Path(path)
         return
-    try:
-        import boto3
-        from botocore.exceptions import ClientError
-    except ImportError:
-        raise ValueError(f"{path}: reading s3:// needs boto3 (pip install 'dflash-pipeline[s3]')") from None
+    import boto3
+
     bucket, _, key = str(path).removeprefix("s3://").partition("/")
     with tempfile.TemporaryDirectory(prefix="dflash-s3-") as tmp:
         local = Path(tmp) / Path(key).name
         try:
             boto3.client("s3").download_file(bucket, key, str(local))
-        except ClientError as e:
-            code = e.response.get("Error", {}).get("Code")
-            if code in ("404", "NoSuchKey", "NoSuchBucket"):
-                raise FileNotFoundError(f"{path}: no such object") from None
-            raise ValueError(f"{path}: S3 error {code}: {e}") from None
+        except Exception as e:
+            problem = s3_problem(str(path), e)
+            if problem is None:
+                raise
+            raise (FileNotFoundError if "no such object" in problem else ValueError)(problem) from None
         yield local
+
+
+def s3_problem(url: str, error: BaseException, endpoint: str | None = None) -> str | None:
+    """One line for an S3 failure: the URL, what went wrong and what to do; never the keys. None
+    when ``error`` is no S3 failure."""
+    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError, PartialCredentialsError
+
+    bucket = url.removeprefix("s3://").split("/")[0]
+    if isinstance(error, (NoCredentialsError, PartialCredentialsError)):
+        return (f"{url}: no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE); "
+                f"for Snakemake's storage also SNAKEMAKE_STORAGE_S3_ACCESS_KEY and SNAKEMAKE_STORAGE_S3_SECRET_KEY")
+    if isinstance(error, EndpointConnectionError):
+        where = endpoint or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+        return (f"{url}: cannot reach the S3 endpoint {where}: check the address (AWS_ENDPOINT_URL, "
+                f"SNAKEMAKE_STORAGE_S3_ENDPOINT_URL) and that the server is up")
+    if not isinstance(error, ClientError):
+        return None
+    code = str(error.response.get("Error", {}).get("Code"))
+    if code in ("NoSuchBucket",) or (code == "404" and error.operation_name == "HeadBucket"):
+        return f"{url}: no bucket {bucket!r} at this endpoint: create it or fix the URL"
+    if code in ("404", "NoSuchKey"):
+        return f"{url}: no such object"
+    if code in ("403", "AccessDenied", "AllAccessDisabled"):
+        return f"{url}: access denied: these credentials may not read or write bucket {bucket!r} (s3:ListBucket, s3:GetObject, s3:PutObject)"
+    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken"):
+        return f"{url}: the S3 endpoint rejected these credentials ({code}): check the access key, secret key and token"
+    return f"{url}: S3 error {code}: {error.response.get('Error', {}).get('Message', '')}"
 
 
 def human_bytes(n: float) -> str:

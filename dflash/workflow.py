@@ -34,7 +34,7 @@ def setup_logging(log_file: str | Path | None = None, level: int = logging.INFO)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    for noisy in ("httpx", "urllib3", "filelock"):
+    for noisy in ("httpx", "urllib3", "filelock", "botocore", "boto3", "s3transfer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # transformers prints through its own handler; propagating would print every warning twice.
     logging.getLogger("transformers").propagate = False

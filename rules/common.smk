@@ -2,16 +2,30 @@
 import functools
 import os
 
+from dflash.storage import fetch_from_storage
 from dflash.validate import exclusions_by_shard, read_exclusions
 
 
 def prompt_file(name):
-    """A file of the prompts checkpoint; asking for it schedules the checkpoint when needed."""
-    return f"{checkpoints.prompts.get().output[0]}/{name}"
+    """A file of the prompts checkpoint; asking for it schedules the checkpoint when needed. Named
+    by the rule's path, not the checkpoint's output object: with a default storage that object is
+    the local copy, which the storage would take for another file."""
+    checkpoints.prompts.get()
+    return f"{OUT}/prompts/{name}"
+
+
+def prompts_dir():
+    """The prompts checkpoint's folder on this machine. With a default storage (S3) that is a local
+    copy, which Snakemake removes after use and a fresh machine never had: the small files read to
+    plan (the manifest, the id index) are fetched from the storage when missing."""
+    out = checkpoints.prompts.get().output[0]
+    if out.is_storage:
+        fetch_from_storage(out, ["manifest.json", "ids.tsv"])
+    return str(out)
 
 
 def shards():
-    return shard_ids(checkpoints.prompts.get().output[0])
+    return shard_ids(prompts_dir())
 
 
 def per_shard(pattern):
@@ -44,8 +58,8 @@ def server_file(wildcards):
 
 
 @functools.cache
-def _exclusions_by_shard(prompts_dir, files, _prompts_written):
-    by_shard, unknown = exclusions_by_shard(read_exclusions(files), prompts_dir)
+def _exclusions_by_shard(folder, files, _prompts_written):
+    by_shard, unknown = exclusions_by_shard(read_exclusions(files), folder)
     if unknown:
         logger.warning(f"validate.exclude: {len(unknown)} id(s) held by no prompt shard (held out or mistyped): "
                        + ", ".join(unknown[:10]) + (" ..." if len(unknown) > 10 else ""))
@@ -58,7 +72,7 @@ def excluded_in_shard(wildcards):
     files = tuple(config["validate"]["exclude"])
     if not files:
         return {}
-    prompts_dir = checkpoints.prompts.get().output[0]
+    folder = prompts_dir()
     # Keyed on the prompts' write time too: a prompts job re-run in this process moves ids.
-    written = os.path.getmtime(prompts_dir)
-    return _exclusions_by_shard(prompts_dir, files, written).get(wildcards.shard, {})
+    written = os.path.getmtime(os.path.join(folder, "ids.tsv"))
+    return _exclusions_by_shard(folder, files, written).get(wildcards.shard, {})

@@ -2,7 +2,7 @@ rule eval:
     """Greedy speculative decoding of the held-out prompts: acceptance length per category."""
     input:
         checkpoint=f"{OUT}/checkpoints/{{run}}",
-        target=TARGET,
+        target=TARGET_INPUT,
         heldout=lambda wildcards: prompt_file("heldout.jsonl.zst"),
     output:
         f"{OUT}/eval/{{run}}.json",

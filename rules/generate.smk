@@ -6,9 +6,10 @@ rule serve:
     and exec lets its SIGTERM reach the launcher. Snakemake's own Python runs the launcher, so the
     conda env only needs the server."""
     input:
-        target=TARGET,
+        target=TARGET_INPUT,
     output:
-        service(f"{OUT}/servers/{{server}}.json"),
+        # on the node of its group, whatever the default storage: it only says where the server is
+        local(service(f"{OUT}/servers/{{server}}.json")),
     params:
         python=sys.executable,
         launch=lambda wildcards: json.dumps(LAUNCH),  # a function: the command's {port} is no wildcard
@@ -33,7 +34,7 @@ rule generate:
     """One completion record per prompt (exact token ids, raw text, reasoning/content split)."""
     input:
         prompts=lambda wildcards: prompt_file(f"shard-{wildcards.shard}.jsonl.zst"),
-        target=TARGET,
+        target=TARGET_INPUT,
         server=server_file,
     output:
         completions=f"{OUT}/completions/shard-{{shard}}.jsonl.zst",

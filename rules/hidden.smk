@@ -2,7 +2,7 @@ rule hidden:
     """The target's selected layer outputs for every token of the shard's rows."""
     input:
         tokenized=f"{OUT}/tokenized/shard-{{shard}}.safetensors",
-        target=TARGET,
+        target=TARGET_INPUT,
         # Must exist (every gate passed), but its rewrite after another shard changed is no reason
         # to extract this shard again.
         gates=ancient(f"{OUT}/qa/gates.json"),

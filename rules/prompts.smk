@@ -2,9 +2,9 @@ checkpoint prompts:
     """Canonical prompt records, deduplicated and stratified into shards, plus the held-out set."""
     input:
         # s3:// sources are read by the job (boto3), not tracked: an object is not re-read when it changes.
-        sources=[s["path"] for s in config["prompts"]["sources"] if not s["path"].startswith("s3://")],
+        sources=[external(s["path"]) for s in config["prompts"]["sources"] if not s["path"].startswith("s3://")],
         # its tokenizer, template and context: prompts it cannot take are dropped here, not sent
-        target=TARGET,
+        target=TARGET_INPUT,
     output:
         directory(f"{OUT}/prompts"),
     params:

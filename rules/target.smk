@@ -2,7 +2,7 @@ rule target:
     """The tiny demo target: tokenizer, qwen3_5_text model, taught the conversation format.
     Not used when config target.path names a real model folder."""
     input:
-        demo_target_sources(config),
+        [external(path) for path in demo_target_sources(config)],
     output:
         directory(f"{OUT}/target"),
     params:

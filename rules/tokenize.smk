@@ -2,7 +2,7 @@ rule tokenize:
     """Flat token rows (prompt ids + output ids, loss mask on the output) the trainer memory-maps."""
     input:
         validated=f"{OUT}/validated/shard-{{shard}}.jsonl.zst",
-        target=TARGET,
+        target=TARGET_INPUT,
     output:
         tensors=f"{OUT}/tokenized/shard-{{shard}}.safetensors",
         index=f"{OUT}/tokenized/shard-{{shard}}.json",

@@ -2,9 +2,11 @@ rule train:
     """The DFlash drafter, trained on the cached hidden states of every shard."""
     input:
         tokenized=per_shard(f"{OUT}/tokenized/shard-{{shard}}.safetensors"),
+        # read beside the rows (their lengths and categories); named so a default storage fetches them
+        index=per_shard(f"{OUT}/tokenized/shard-{{shard}}.json"),
         # online: the trainer runs the target itself, no cache to extract
         hidden=per_shard(f"{OUT}/hidden/shard-{{shard}}.safetensors") if not ONLINE else [],
-        target=TARGET,
+        target=TARGET_INPUT,
         gates=ancient(f"{OUT}/qa/gates.json"),
     output:
         directory(f"{OUT}/checkpoints/{{run}}"),

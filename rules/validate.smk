@@ -42,7 +42,7 @@ rule gate:
     hidden-state and training jobs need them, so a failed gate stops them all."""
     input:
         summary=f"{OUT}/qa/summary.json",
-        target=TARGET,  # its size, for the hidden-state cache estimate
+        target=TARGET_INPUT,  # its size, for the hidden-state cache estimate
     output:
         f"{OUT}/qa/gates.json",
     params:

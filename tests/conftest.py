@@ -77,7 +77,7 @@ def demo_slice(demo_sources: list[dict], workdir: Path, train: int, heldout: int
 @pytest.fixture
 def s3(monkeypatch):
     """A real S3 API on localhost (moto's server), reached through boto3 like any endpoint."""
-    boto3 = pytest.importorskip("boto3")
+    import boto3
     from moto.server import ThreadedMotoServer
 
     with socket.socket() as s:

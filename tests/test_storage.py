@@ -1,0 +1,89 @@
+"""Outputs in S3 through Snakemake's default storage (snakemake-storage-plugin-s3), against a real
+S3 API on localhost (moto's server): a run whose machine is then thrown away, and the one-line
+errors of a storage that cannot be used."""
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash.io import read_jsonl
+from dflash.validate import CHECKS
+from tests.conftest import ROOT, demo_slice
+
+pytestmark = pytest.mark.slow
+PREFIX = "s3://drafter/run1"
+
+
+def snakemake(work: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "-d", str(work),
+           "--default-storage-provider", "s3", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+
+
+def workdir(work: Path, demo_sources, target_dir) -> Path:
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
+    cfg["prompts"] = {"shard_size": 4, "sources": demo_slice(demo_sources, work, train=2, heldout=1)}  # 2 shards
+    cfg["target"]["path"] = str(target_dir)
+    cfg["generate"]["sampling"]["max_tokens"] = 8
+    cfg["validate"]["checks"] = {k: "flag" for k in CHECKS}
+    cfg["gates"] = {"max_trivial_share": None, "min_median_trainable_tokens": None}
+    cfg["drafter"] = {"num_layers": 1, "target_layer_ids": [1, 3], "block_size": 4}
+    cfg["train"] = {"steps": 2, "batch_size": 2}
+    cfg["eval"] = {"max_new_tokens": 4}
+    (work / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return work
+
+
+def test_the_demo_in_s3_survives_the_machine(s3, tmp_path, demo_sources, target_dir):
+    """Every output goes to the bucket; the working folder is then deleted ("instance destroyed")
+    and a new one with the same config (sources copied anew, so newer than the outputs) plans
+    nothing; the records read back with `dflash inspect s3://...`."""
+    first = workdir(tmp_path / "node-1", demo_sources, target_dir)
+    run = snakemake(first, "--cores", "2", "--default-storage-prefix", PREFIX)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket="drafter")["Contents"]}
+    for key in ["results/prompts/manifest.json", "results/completions/shard-00001.jsonl.zst",
+                "results/tokenized/shard-00000.safetensors", "results/checkpoints/demo/model.safetensors",
+                "results/report/summary.html", "results/logs/generate/00000.log"]:
+        assert f"run1/{key}" in keys, key
+    assert not list((first / "results").rglob("*.zst")) if (first / "results").exists() else True
+    shutil.rmtree(first)
+
+    second = workdir(tmp_path / "node-2", demo_sources, target_dir)
+    plan = snakemake(second, "-n", "--default-storage-prefix", PREFIX)
+    assert plan.returncode == 0, (plan.stdout + plan.stderr)[-4000:]
+    assert "Nothing to be done" in plan.stdout + plan.stderr
+    shown = subprocess.run([sys.executable, "-m", "dflash.cli", "inspect", f"{PREFIX}/results/completions/shard-00000.jsonl.zst",
+                            "--json"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert len(shown.stdout.splitlines()) == 4
+
+
+def test_a_storage_that_cannot_be_used_is_one_line(s3, tmp_path, demo_sources, target_dir, monkeypatch):
+    import os
+
+    work = workdir(tmp_path / "w", demo_sources, target_dir)
+    env = dict(os.environ, AWS_SECRET_ACCESS_KEY="sEcReT-never-printed")
+    cases = {
+        "s3://no-such-bucket/run": (env, "s3://no-such-bucket/run: no bucket 'no-such-bucket' at this endpoint: create it or fix the URL"),
+        PREFIX + "/unreachable": ({**env, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"},
+                                  f"{PREFIX}/unreachable: cannot reach the S3 endpoint http://127.0.0.1:9"),
+        PREFIX + "/no-keys": ({k: v for k, v in env.items() if not k.startswith("AWS_") or k == "AWS_ENDPOINT_URL"}
+                              | {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none"),
+                                 "AWS_EC2_METADATA_DISABLED": "true"},
+                              f"{PREFIX}/no-keys: no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"),
+    }
+    for prefix, (case_env, line) in cases.items():
+        run = snakemake(work, "-n", "--default-storage-prefix", prefix, env=case_env)
+        out = run.stdout + run.stderr
+        assert run.returncode == 1 and line in out, (prefix, out[-3000:])
+        assert "sEcReT" not in out and "Traceback" not in out
+        assert not (work / "results").exists()
+    missing = subprocess.run([sys.executable, "-m", "dflash.cli", "inspect", f"{PREFIX}/results/nothing.jsonl.zst"],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1 and missing.stderr.strip().splitlines() == [
+        f"dflash inspect: {PREFIX}/results/nothing.jsonl.zst: no such object"]
