@@ -29,6 +29,7 @@ from dflash.chat import finish_reason, output_body, render, served_output, split
 from dflash.errors import describe
 from dflash.io import atomic_path, iter_jsonl, naming_full_disk, write_json, write_jsonl_zst
 from dflash.server import wait_for_service
+from dflash.storage import PartialMirror
 from dflash.toolcalls import parse_tool_calls, text_before_calls
 from dflash.workflow import progress
 
@@ -445,13 +446,16 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
         raise ValueError(f"{prompts_path}: prompt id {twice[0]} appears more than once ({len(twice)} duplicated ids); "
                          f"every prompt id must be unique: re-run the prompts rule")
     partial = partial_path(out_path)
+    save = cfg.get("save_every") or {"records": 100, "seconds": 300}
+    mirror = PartialMirror(partial, save["records"], save["seconds"])
     with shard_lock(out_path):
         keep_finished_output(Path(out_path), partial)
-        return _generate_shard(prompts, ids, prompts_path, out_path, partial, target_dir, cfg, summary_path)
+        mirror.fetch()  # a run on another machine that the node it ran on did not outlive
+        return _generate_shard(prompts, ids, prompts_path, out_path, partial, target_dir, cfg, summary_path, mirror)
 
 
 def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out_path: Path, partial: Path,
-                    target_dir: Path, cfg: dict, summary_path: Path | None) -> dict:
+                    target_dir: Path, cfg: dict, summary_path: Path | None, mirror: PartialMirror) -> dict:
     done = load_partial(partial, set(ids))
     resumed = len(done)
     pending = [p for p in prompts if p["id"] not in done]
@@ -478,6 +482,7 @@ def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out
             else:
                 sink.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
                 sink.flush()
+                mirror.added(len(recs))
                 done[recs[0]["prompt_id"]] = recs
                 tokens += sum(r["usage"]["completion_tokens"] for r in recs)
             bar.update()
@@ -509,6 +514,7 @@ def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out
                         pool.shutdown(cancel_futures=True)
         except ServerDown as e:
             bar.close()
+            mirror.push()
             raise ServerDown(f"{e}: is the server down? The {len(done)} finished prompts of {name} are kept in "
                              f"{partial}: start the server and re-run to resume") from None
     bar.close()
@@ -531,6 +537,7 @@ def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out
     }
     log.info("generate %s: %s", name, summary)
     if len(errors) > cfg["max_error_fraction"] * len(prompts):
+        mirror.push()
         example = next(r["error"] for recs in errors.values() for r in recs if r["error"])
         raise RuntimeError(f"{name}: {len(errors)} of {len(prompts)} prompts failed (e.g. {example}); "
                            f"the {len(done)} finished ones are kept in {partial}: re-run to resume")
@@ -539,4 +546,7 @@ def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out
     if summary_path is not None:
         write_json(summary_path, summary)
     partial.unlink()
+    # Until Snakemake has uploaded the shard, a lost node costs this shard's generation, never a
+    # duplicate: a stale resume file would resume a later re-run with other settings.
+    mirror.discard()
     return summary

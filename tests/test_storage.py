@@ -12,6 +12,7 @@ import yaml
 from dflash.io import read_jsonl
 from dflash.validate import CHECKS
 from tests.conftest import ROOT, demo_slice
+from tests.test_generate_server import server  # noqa: F401 (fixture: transformers serve)
 
 pytestmark = pytest.mark.slow
 PREFIX = "s3://drafter/run1"
@@ -87,3 +88,58 @@ def test_a_storage_that_cannot_be_used_is_one_line(s3, tmp_path, demo_sources, t
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 1 and missing.stderr.strip().splitlines() == [
         f"dflash inspect: {PREFIX}/results/nothing.jsonl.zst: no such object"]
+
+
+def test_generation_survives_the_node(s3, server, target_dir, demo_sources, tmp_path):
+    """A generate job whose shard is a stored output pushes its resume file every 2 records; it is
+    killed, its machine's folder deleted, and the re-run in a fresh folder fetches the pushed
+    records and requests only the others: every id once, no finished prompt asked for again."""
+    import json
+    import time
+
+    from dflash.generate import generate_shard, partial_path
+    from dflash.io import write_jsonl_zst
+    from dflash.prompts import read_source
+    from tests.test_generate_server import cfg, requests_seen
+
+    url, server_log = server
+    recs = list(read_source(demo_sources[1]))[:10]
+    shard = tmp_path / "shard-00000.jsonl.zst"
+    write_jsonl_zst(shard, recs)
+    local = Path(".snakemake/storage/s3/drafter/run1/results/completions/shard-00000.jsonl.zst")
+    key = "run1/results/completions/.shard-00000.jsonl.zst.partial.jsonl"
+    settings = cfg(url, concurrency=1, retries=0)
+    settings["sampling"]["max_tokens"] = 64
+    settings["save_every"] = {"records": 2, "seconds": 3600}
+    node = tmp_path / "node-1"
+    (node / local.parent).mkdir(parents=True)
+    job = [sys.executable, "-c", "import sys, json; from dflash.generate import generate_shard; "
+           "generate_shard(sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))",
+           str(shard), str(local), str(target_dir), json.dumps(settings)]
+    proc = subprocess.Popen(job, cwd=node, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def pushed() -> list[str]:
+        try:
+            body = s3.get_object(Bucket="drafter", Key=key)["Body"].read().decode()
+        except s3.exceptions.NoSuchKey:
+            return []
+        return [json.loads(line)["id"] for line in body.splitlines()]
+
+    deadline = time.time() + 120
+    while len(pushed()) < 4:
+        assert proc.poll() is None and time.time() < deadline, "no push seen"
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    time.sleep(1.0)  # the request in flight ends and is logged
+    saved = pushed()
+    shutil.rmtree(node)  # instance destroyed: only the bucket remains
+
+    fresh = tmp_path / "node-2"
+    (fresh / local.parent).mkdir(parents=True)
+    before = requests_seen(server_log)
+    summary = generate_shard(shard, fresh / local, target_dir, settings)
+    assert summary["resumed"] == len(saved) >= 4 and summary["requests"] == 10 - len(saved)
+    assert requests_seen(server_log) - before == 10 - len(saved)
+    assert [r["id"] for r in read_jsonl(fresh / local)] == [r["id"] for r in recs]
+    assert not partial_path(fresh / local).exists() and pushed() == []  # deleted once the shard is written
