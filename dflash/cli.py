@@ -132,6 +132,23 @@ def _cache_size(cfg, a):
         print(f"within hidden.max_cache_bytes ({human_bytes(limit) if limit is not None else 'no limit'})")
 
 
+def _safe_to_destroy(cfg, a):
+    from dflash.io import human_bytes
+    from dflash.storage import safe_to_destroy
+
+    found = safe_to_destroy(a.workdir, cfg["output_dir"], a.prefix)
+    for path, size, why in found["files"]:
+        print(f"only here: {path} ({human_bytes(size)}): {why}")
+    for path in found["incomplete"]:
+        print(f"incomplete (a job running, or cut off): {path}")
+    if found["safe"]:
+        print(f"every output of {a.workdir.resolve() / cfg['output_dir']} is in {a.prefix}: safe to destroy")
+        return
+    raise SystemExit(f"NOT safe to destroy: {len(found['files'])} file(s), {human_bytes(found['bytes'])}, only on this "
+                     f"machine; {len(found['incomplete'])} incomplete job output(s). Let the run finish (or re-run "
+                     f"snakemake with --default-storage-prefix {a.prefix}), then check again")
+
+
 def parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -179,6 +196,9 @@ def parser() -> argparse.ArgumentParser:
           ("--tokens", {"type": float, "help": "planned token count (e.g. 1.64e9)"}),
           ("--tokenized", {"type": Path, "nargs": "*", "help": "tokenized shard indexes (.json) to count"}),
           ("--target", {"type": Path, "help": "target model folder (default: the config's)"}))
+    stage("safe-to-destroy", _safe_to_destroy, "is every output of this machine in the storage? (exit 0: yes)",
+          ("--prefix", {"required": True, "help": "the run's --default-storage-prefix, e.g. s3://bucket/run"}),
+          ("--workdir", {"type": Path, "default": Path("."), "help": "where snakemake runs (default: here)"}))
     inspect = sub.add_parser(
         "inspect", parents=[common], help="print records of any stage's shard (local or s3://), filtered",
         description="Print the records of prompt, completion, validated, rejected, tokenized or hidden-state "

@@ -117,3 +117,80 @@ class PartialMirror:
     def discard(self) -> None:
         if self.url:
             self.client.delete_object(Bucket=self.bucket, Key=self.key)
+
+
+def s3_etag(path: Path, part_bytes: int) -> str:
+    """The ETag S3 gives ``path`` uploaded in parts of ``part_bytes`` (boto3's default: 8 MiB):
+    the MD5 of a single-part upload, else the MD5 of the parts' MD5s with ``-<parts>``."""
+    import hashlib
+
+    digests = []
+    with open(path, "rb") as f:
+        while chunk := f.read(part_bytes):
+            digests.append(hashlib.md5(chunk).digest())
+    if len(digests) <= 1:
+        return digests[0].hex() if digests else hashlib.md5(b"").hexdigest()
+    return f"{hashlib.md5(b''.join(digests)).hexdigest()}-{len(digests)}"
+
+
+def _at_risk(local: Path, stored: dict | None, part_bytes: int) -> str | None:
+    """Why the local file is not safe in the storage (None when it is)."""
+    if stored is None:
+        return "not in the storage"
+    if stored["Size"] != local.stat().st_size:
+        return f"stored with another size ({stored['Size']} bytes, here {local.stat().st_size})"
+    if s3_etag(local, part_bytes) != stored["ETag"].strip('"'):
+        return "stored with other content (checksum differs)"
+    return None
+
+
+def _incomplete(marks: Path) -> list[str]:
+    """Outputs Snakemake marked incomplete (a job running, or cut off): its markers are the output
+    paths in URL-safe base64, split into parts of a file name's length."""
+    from base64 import urlsafe_b64decode
+
+    found = []
+    for mark in sorted(marks.rglob("*")) if marks.is_dir() else []:
+        if mark.is_file() and mark.name != "migration_underway":
+            encoded = "".join(part.lstrip("@") for part in mark.relative_to(marks).parts)
+            try:
+                found.append(urlsafe_b64decode(encoded).decode())
+            except ValueError:
+                found.append(str(mark))
+    return found
+
+
+def safe_to_destroy(workdir: Path, output_dir: str, prefix: str, part_bytes: int = 8 * 1024 * 1024) -> dict:
+    """What would be lost if this machine vanished now, for a run whose outputs go to ``prefix``:
+    every file of ``output_dir`` here (outputs of a local run, and Snakemake's local copies of
+    stored ones) that the storage lacks or holds with another size or checksum, resume files of
+    generate jobs included, and the jobs a snakemake run marked incomplete (running, or cut off).
+    Returns ``{"files": [(path, bytes, why)], "incomplete": [paths], "bytes": n, "safe": bool}``."""
+    bucket, _, base = prefix.removeprefix("s3://").rstrip("/").partition("/")
+    client = s3_client()
+    stored: dict[str, dict] = {}
+    try:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base):
+            stored.update({o["Key"]: o for o in page.get("Contents", [])})
+    except Exception as e:
+        problem = s3_problem(prefix, e)
+        if problem is None:
+            raise
+        raise ValueError(problem) from None
+    copies = workdir / ".snakemake" / "storage" / "s3" / bucket
+    places = [(workdir / output_dir, f"{base}/{output_dir}" if base else output_dir),
+              (copies / base / output_dir if base else copies / output_dir, f"{base}/{output_dir}" if base else output_dir)]
+    files = []
+    for root, key_root in places:
+        if not root.is_dir():
+            continue
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            if path.name.endswith(".lock") or path.name == ".snakemake_timestamp":
+                continue  # empty markers, never outputs
+            key = f"{key_root}/{path.relative_to(root).as_posix()}"
+            why = _at_risk(path, stored.get(key), part_bytes)
+            if why:
+                files.append((str(path.relative_to(workdir)), path.stat().st_size, why))
+    incomplete = _incomplete(workdir / ".snakemake" / "incomplete")
+    total = sum(size for _, size, _ in files)
+    return {"files": files, "incomplete": incomplete, "bytes": total, "safe": not files and not incomplete}

@@ -52,6 +52,7 @@ def test_the_demo_in_s3_survives_the_machine(s3, tmp_path, demo_sources, target_
                 "results/report/summary.html", "results/logs/generate/00000.log"]:
         assert f"run1/{key}" in keys, key
     assert not list((first / "results").rglob("*.zst")) if (first / "results").exists() else True
+    check_safe_to_destroy(s3, first)
     shutil.rmtree(first)
 
     second = workdir(tmp_path / "node-2", demo_sources, target_dir)
@@ -143,3 +144,42 @@ def test_generation_survives_the_node(s3, server, target_dir, demo_sources, tmp_
     assert requests_seen(server_log) - before == 10 - len(saved)
     assert [r["id"] for r in read_jsonl(fresh / local)] == [r["id"] for r in recs]
     assert not partial_path(fresh / local).exists() and pushed() == []  # deleted once the shard is written
+
+
+def safe(work: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash.cli", "safe-to-destroy", "--config", str(work / "config.yaml"),
+                           "--prefix", PREFIX, "--workdir", str(work)], capture_output=True, text=True, timeout=120)
+
+
+def check_safe_to_destroy(s3, work: Path) -> None:
+    """After the run everything is in the bucket; a resume file only here, or a local shard whose
+    object has another size or content, is named with its bytes until it is uploaded as it is."""
+    done = safe(work)
+    assert done.returncode == 0 and done.stdout.rstrip().endswith("safe to destroy"), done.stdout + done.stderr
+    stored_copies = work / ".snakemake/storage/s3/drafter/run1/results/completions"
+    stored_copies.mkdir(parents=True, exist_ok=True)
+    resume = stored_copies / ".shard-00001.jsonl.zst.partial.jsonl"
+    resume.write_text('{"id": "x"}\n' * 100)
+    # e.g. a file of a run before the storage was used, copied up by hand (no job reads it: changing
+    # its object here leaves the plan of the next machine alone)
+    local = work / "results" / "report" / "summary.json"
+    local.parent.mkdir(parents=True, exist_ok=True)
+    s3.download_file("drafter", "run1/results/report/summary.json", str(local))
+    s3.put_object(Bucket="drafter", Key="run1/results/report/summary.json", Body=local.read_bytes()[:-9])
+    no = safe(work)
+    assert no.returncode == 1, no.stdout + no.stderr
+    assert (f"only here: {resume.relative_to(work)} (1.2 KB): not in the storage" in no.stdout
+            and f"only here: results/report/summary.json ({local.stat().st_size / 1000:.1f} KB): stored "
+                f"with another size ({local.stat().st_size - 9} bytes" in no.stdout), no.stdout
+    assert "NOT safe to destroy: 2 file(s)" in no.stderr
+    same_size = bytearray(local.read_bytes())
+    same_size[-20] ^= 0x01
+    s3.put_object(Bucket="drafter", Key="run1/results/report/summary.json", Body=bytes(same_size))
+    assert "stored with other content (checksum differs)" in safe(work).stdout
+    s3.upload_file(str(local), "drafter", "run1/results/report/summary.json")
+    s3.upload_file(str(resume), "drafter", "run1/results/completions/.shard-00001.jsonl.zst.partial.jsonl")
+    again = safe(work)
+    assert again.returncode == 0 and "safe to destroy" in again.stdout, again.stdout + again.stderr
+    s3.delete_object(Bucket="drafter", Key="run1/results/completions/.shard-00001.jsonl.zst.partial.jsonl")
+    shutil.rmtree(work / "results")
+    resume.unlink()
