@@ -92,3 +92,20 @@ def s3(monkeypatch):
     client.create_bucket(Bucket="drafter")
     yield client
     server.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def slurm_controller_answers():
+    """Where SLURM's client is installed (an earlier test run installed it), its controller runs:
+    the SLURM executor plugin asks `scontrol show config` at every snakemake start, and without a
+    controller that takes 9 s to fail."""
+    import shutil
+
+    if shutil.which("scontrol"):
+        from tests import slurm_cluster
+
+        try:
+            slurm_cluster.start()
+        except slurm_cluster.SlurmUnavailable:
+            pass  # the SLURM tests say why
+
