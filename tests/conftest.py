@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from dflash.config import load_config
+from dflash.validate import CHECKS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,6 +74,29 @@ def demo_slice(demo_sources: list[dict], workdir: Path, train: int, heldout: int
                                   + [ln for ln in lines if '"split": "heldout"' in ln][:heldout]) + "\n")
         sources.append({**src, "path": str(path)})
     return sources
+
+
+def small_run_config(work: Path, demo_sources: list[dict], target_dir: Path | None = None, *, train: int = 2,
+                     heldout: int = 1, shard_size: int = 4, max_tokens: int = 16, train_steps: int = 2,
+                     eval_tokens: int = 4, **generate) -> dict:
+    """The demo config cut to a quick run in ``work``, written to work/config.yaml: ``train`` and
+    ``heldout`` conversations of each category, a one-layer drafter, every check a flag (a briefly
+    taught target writes little that passes, and every stage needs data), no length gates.
+    ``target_dir``: an already built target (none: the run builds the demo's); ``generate``:
+    overrides of the generate section."""
+    cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
+    cfg["prompts"] = {"shard_size": shard_size, "sources": demo_slice(demo_sources, work, train=train, heldout=heldout)}
+    if target_dir is not None:
+        cfg["target"]["path"] = str(target_dir)
+    cfg["generate"]["sampling"]["max_tokens"] = max_tokens
+    cfg["generate"].update(generate)
+    cfg["validate"]["checks"] = {k: "flag" for k in CHECKS}
+    cfg["gates"] = {"max_trivial_share": None, "min_median_trainable_tokens": None}
+    cfg["drafter"] = {"num_layers": 1, "target_layer_ids": [1, 3], "block_size": 4}
+    cfg["train"] = {"steps": train_steps, "batch_size": 2}
+    cfg["eval"] = {"max_new_tokens": eval_tokens}
+    (work / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return cfg
 
 
 @pytest.fixture

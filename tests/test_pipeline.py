@@ -12,8 +12,7 @@ import yaml
 
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
 from dflash.records import record_errors
-from dflash.validate import CHECKS
-from tests.conftest import ROOT, demo_slice
+from tests.conftest import ROOT, small_run_config
 
 pytestmark = pytest.mark.slow
 
@@ -43,17 +42,9 @@ def planned_jobs(dry_run_output: str) -> set[tuple[str, str | None]]:
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, demo_sources):
     work = tmp_path_factory.mktemp("pipeline")
-    sources = demo_slice(demo_sources, work, train=8, heldout=2)
-    config = yaml.safe_load((ROOT / "config.yaml").read_text())
-    config["prompts"] = {"shard_size": 12, "sources": sources}
+    config = small_run_config(work, demo_sources, train=8, heldout=2, shard_size=12, max_tokens=24, train_steps=4,
+                              eval_tokens=8)
     config["target"]["build"]["teach"]["steps"] = 20
-    config["generate"]["sampling"]["max_tokens"] = 24
-    # A briefly taught target writes little that passes; keep every record so all stages get data.
-    config["validate"]["checks"] = {k: "flag" for k in CHECKS}
-    config["gates"] = {"max_trivial_share": None, "min_median_trainable_tokens": None}
-    config["drafter"] = {"num_layers": 1, "target_layer_ids": [1, 3], "block_size": 4}
-    config["train"] = {"steps": 4, "batch_size": 2}
-    config["eval"] = {"max_new_tokens": 8}
     (work / "config.yaml").write_text(yaml.safe_dump(config))
     out = snakemake(work, "--cores", "2")
     return work, out

@@ -15,9 +15,8 @@ import pytest
 import yaml
 
 from dflash.io import read_jsonl
-from dflash.validate import CHECKS
 from tests import slurm_cluster
-from tests.conftest import ROOT, demo_slice
+from tests.conftest import ROOT, demo_slice, small_run_config
 
 pytestmark = pytest.mark.slow
 SITE = ROOT / "profiles" / "site.yaml"
@@ -54,21 +53,6 @@ def run(work: Path, profile: str, *args: str) -> str:
     return out
 
 
-def demo_config(work: Path, demo_sources, target_dir, **generate) -> dict:
-    cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
-    cfg["prompts"] = {"shard_size": 4, "sources": demo_slice(demo_sources, work, train=2, heldout=1)}  # 2 shards
-    cfg["target"]["path"] = str(target_dir)
-    cfg["generate"]["sampling"]["max_tokens"] = 16
-    cfg["generate"].update(generate)
-    cfg["validate"]["checks"] = {k: "flag" for k in CHECKS}  # a briefly taught target: keep every record
-    cfg["gates"] = {"max_trivial_share": None, "min_median_trainable_tokens": None}
-    cfg["drafter"] = {"num_layers": 1, "target_layer_ids": [1, 3], "block_size": 4}
-    cfg["train"] = {"steps": 2, "batch_size": 2}
-    cfg["eval"] = {"max_new_tokens": 4}
-    (work / "config.yaml").write_text(yaml.safe_dump(cfg))
-    return cfg
-
-
 def sbatch_calls(out: str) -> dict[str, list[str]]:
     """The plugin's --verbose "sbatch call:" lines by rule (a group job: by its rules, e.g.
     generate_generate_serve)."""
@@ -88,7 +72,7 @@ def visible_gpus(log: Path) -> list[str]:
 
 def test_demo_through_the_b200_profile(slurm, tmp_path, demo_sources, target_dir):
     """In-process generation (one GPU per shard job), hidden states, training and eval as sbatch jobs."""
-    demo_config(tmp_path, demo_sources, target_dir)
+    small_run_config(tmp_path, demo_sources, target_dir)
     out = run(tmp_path, "slurm-b200", "--verbose")
     res = tmp_path / "results"
     assert (res / "report" / "summary.html").exists() and (res / "eval" / "demo.json").exists()
@@ -116,7 +100,7 @@ def test_started_server_holds_a_whole_rtx_node(slurm, tmp_path, demo_sources, ta
     """generate.server.launch: the server and the generate jobs of its shards are one sbatch job
     holding the node's 4 GPUs; every job of the group sees them. Then the rest of the chain."""
     cli = Path(sys.executable).with_name("transformers")
-    demo_config(tmp_path, demo_sources, target_dir, backend="openai", max_error_fraction=0.0, server={
+    small_run_config(tmp_path, demo_sources, target_dir, backend="openai", max_error_fraction=0.0, server={
         "dialect": "openai", "concurrency": 2, "retries": 0, "timeout_s": 120,
         "launch": {"command": f"{cli} serve --host {{host}} --port {{port}} {{model}}", "gpus": 4,
                    "shards_per_server": 64, "startup_timeout_s": 300}})
@@ -144,7 +128,7 @@ def test_started_server_holds_a_whole_rtx_node(slurm, tmp_path, demo_sources, ta
 def long_shard(tmp_path, demo_sources, target_dir):
     """A workdir whose shard 00000 takes tens of seconds to generate on CPU: 80 prompts of 96 tokens,
     sampled hot enough that the briefly taught target seldom stops early."""
-    cfg = demo_config(tmp_path, demo_sources, target_dir)
+    cfg = small_run_config(tmp_path, demo_sources, target_dir)
     cfg["prompts"] = {"shard_size": 80, "sources": demo_slice(demo_sources, tmp_path, train=20, heldout=1)}
     cfg["generate"]["sampling"].update(max_tokens=96, temperature=1.5, top_k=0, top_p=1.0)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))

@@ -7,11 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from dflash.io import read_jsonl
-from dflash.validate import CHECKS
-from tests.conftest import ROOT, demo_slice
+from tests.conftest import ROOT, small_run_config
 from tests.test_generate_server import server  # noqa: F401 (fixture: transformers serve)
 
 pytestmark = pytest.mark.slow
@@ -26,16 +24,7 @@ def snakemake(work: Path, *args: str, env: dict | None = None) -> subprocess.Com
 
 def workdir(work: Path, demo_sources, target_dir) -> Path:
     work.mkdir(parents=True, exist_ok=True)
-    cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
-    cfg["prompts"] = {"shard_size": 4, "sources": demo_slice(demo_sources, work, train=2, heldout=1)}  # 2 shards
-    cfg["target"]["path"] = str(target_dir)
-    cfg["generate"]["sampling"]["max_tokens"] = 8
-    cfg["validate"]["checks"] = {k: "flag" for k in CHECKS}
-    cfg["gates"] = {"max_trivial_share": None, "min_median_trainable_tokens": None}
-    cfg["drafter"] = {"num_layers": 1, "target_layer_ids": [1, 3], "block_size": 4}
-    cfg["train"] = {"steps": 2, "batch_size": 2}
-    cfg["eval"] = {"max_new_tokens": 4}
-    (work / "config.yaml").write_text(yaml.safe_dump(cfg))
+    small_run_config(work, demo_sources, target_dir, max_tokens=8)
     return work
 
 
