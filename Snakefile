@@ -52,12 +52,26 @@ def external(path):
 
 
 TARGET_INPUT = external(TARGET) if config["target"]["path"] else TARGET
-if STORED and workflow.storage_settings.default_storage_provider == "s3":
-    # One line before any job, instead of a traceback from the first existence check.
-    problem = check_s3_prefix(workflow.storage_settings.default_storage_prefix,
-                              workflow.storage_registry.default_storage_provider.s3c)
+S3 = STORED and workflow.storage_settings.default_storage_provider == "s3"
+STORAGE_PREFIX = workflow.storage_settings.default_storage_prefix if STORED else None
+
+
+def check_storage(write):
+    """One line before any job, instead of a traceback from the first existence check, or an
+    upload that fails after a paid-for job."""
+    problem = check_s3_prefix(STORAGE_PREFIX, workflow.storage_registry.default_storage_provider.s3c, write)
     if problem:
         raise ConfigError(problem)
+
+
+if S3:
+    check_storage(write=False)  # a dry run only lists: read-only keys may plan
+
+
+onstart:
+    if S3:
+        check_storage(write=True)
+
 ONLINE = config["train"]["hidden_states"] == "online"
 LAUNCH = config["generate"]["server"]["launch"]  # null: no serve jobs, the server is the user's
 # Snakemake would quietly cut a job's claim to the machine's GPUs (--resources gpu=N, counted by
@@ -73,13 +87,15 @@ LOGS = f"{OUT}/logs"
 BENCH = f"{OUT}/benchmarks"
 
 
-# Light jobs that read a few small files: on a cluster they run where snakemake runs, not as sbatch jobs.
+# Light jobs that read a few small files, and the check of this machine's files: on a cluster they
+# run where snakemake runs, not as sbatch jobs.
 localrules:
     all,
     qa_summary,
     gate,
     qa_report,
     report,
+    safe_to_destroy,
 
 
 wildcard_constraints:

@@ -74,7 +74,7 @@ def _eval(cfg, a):
 def _report(cfg, a):
     from dflash.report import write_report
 
-    write_report(cfg, a.manifest, a.qa, a.tokenized, a.checkpoint, a.eval, a.html, a.json)
+    write_report(cfg, a.manifest, a.qa, a.gates, a.checkpoint, a.eval, a.html, a.json)
 
 
 def _inspect(a) -> int:
@@ -133,20 +133,13 @@ def _cache_size(cfg, a):
 
 
 def _safe_to_destroy(cfg, a):
-    from dflash.io import human_bytes
-    from dflash.storage import safe_to_destroy
+    from dflash.storage import destroy_verdict, safe_to_destroy
 
     found = safe_to_destroy(a.workdir, cfg["output_dir"], a.prefix)
-    for path, size, why in found["files"]:
-        print(f"only here: {path} ({human_bytes(size)}): {why}")
-    for path in found["incomplete"]:
-        print(f"incomplete (a job running, or cut off): {path}")
-    if found["safe"]:
-        print(f"every output of {a.workdir.resolve() / cfg['output_dir']} is in {a.prefix}: safe to destroy")
-        return
-    raise SystemExit(f"NOT safe to destroy: {len(found['files'])} file(s), {human_bytes(found['bytes'])}, only on this "
-                     f"machine; {len(found['incomplete'])} incomplete job output(s). Let the run finish (or re-run "
-                     f"snakemake with --default-storage-prefix {a.prefix}), then check again")
+    lines, verdict = destroy_verdict(found, str(a.workdir.resolve() / cfg["output_dir"]))
+    print("\n".join(lines + ([verdict] if found["safe"] else [])))
+    if not found["safe"]:
+        raise SystemExit(verdict)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -190,14 +183,15 @@ def parser() -> argparse.ArgumentParser:
     stage("eval", _eval, "held-out prompts -> acceptance length per category (JSON)",
           ("--checkpoint", path), target, ("--heldout", path), ("--out", path))
     stage("report", _report, "stage outputs -> summary HTML + JSON",
-          ("--manifest", path), ("--qa", paths), ("--tokenized", paths), ("--checkpoint", path),
+          ("--manifest", path), ("--qa", path), ("--gates", path), ("--checkpoint", path),
           ("--eval", path), ("--html", path), ("--json", path))
     stage("cache-size", _cache_size, "the hidden-state cache a run would write (tokens x layers x hidden x bytes)",
           ("--tokens", {"type": float, "help": "planned token count (e.g. 1.64e9)"}),
           ("--tokenized", {"type": Path, "nargs": "*", "help": "tokenized shard indexes (.json) to count"}),
           ("--target", {"type": Path, "help": "target model folder (default: the config's)"}))
     stage("safe-to-destroy", _safe_to_destroy, "is every output of this machine in the storage? (exit 0: yes)",
-          ("--prefix", {"required": True, "help": "the run's --default-storage-prefix, e.g. s3://bucket/run"}),
+          ("--prefix", {"help": "the run's --default-storage-prefix, e.g. s3://bucket/run (none: a run "
+                                "without storage, whose every output here is at risk)"}),
           ("--workdir", {"type": Path, "default": Path("."), "help": "where snakemake runs (default: here)"}))
     inspect = sub.add_parser(
         "inspect", parents=[common], help="print records of any stage's shard (local or s3://), filtered",

@@ -314,6 +314,13 @@ def local_copy(path: str | os.PathLike) -> Iterator[Path]:
         yield local
 
 
+# The IAM permission each S3 call the pipeline makes needs (an access-denied line names it).
+S3_PERMISSION = {"ListObjectsV2": "s3:ListBucket", "HeadBucket": "s3:ListBucket", "HeadObject": "s3:GetObject",
+                 "GetObject": "s3:GetObject", "PutObject": "s3:PutObject", "CreateMultipartUpload": "s3:PutObject",
+                 "UploadPart": "s3:PutObject", "CompleteMultipartUpload": "s3:PutObject",
+                 "DeleteObject": "s3:DeleteObject"}
+
+
 def s3_problem(url: str, error: BaseException, endpoint: str | None = None) -> str | None:
     """One line for an S3 failure: the URL, what went wrong and what to do; never the keys. None
     when ``error`` is no S3 failure."""
@@ -335,7 +342,10 @@ def s3_problem(url: str, error: BaseException, endpoint: str | None = None) -> s
     if code in ("404", "NoSuchKey"):
         return f"{url}: no such object"
     if code in ("403", "AccessDenied", "AllAccessDisabled"):
-        return f"{url}: access denied: these credentials may not read or write bucket {bucket!r} (s3:ListBucket, s3:GetObject, s3:PutObject)"
+        needed = S3_PERMISSION.get(error.operation_name)
+        return (f"{url}: access denied{f' to {error.operation_name}' if needed else ''}: these credentials need "
+                f"{needed or 's3:ListBucket, s3:GetObject, s3:PutObject and s3:DeleteObject'} on bucket {bucket!r}"
+                + (" (the pipeline needs s3:ListBucket, s3:GetObject, s3:PutObject and s3:DeleteObject)" if needed else ""))
     if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken"):
         return f"{url}: the S3 endpoint rejected these credentials ({code}): check the access key, secret key and token"
     return f"{url}: S3 error {code}: {error.response.get('Error', {}).get('Message', '')}"

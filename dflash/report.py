@@ -14,7 +14,8 @@ from dflash.io import atomic_path, read_json, write_json
 from dflash.validate import EXAMPLES_PER_REASON
 
 
-def summarize(config: dict, manifest: Path, qa_summary: Path, gates: Path, checkpoint: Path, eval_file: Path) -> dict:
+def summarize(config: dict, manifest: Path, qa_summary: Path, gates: Path, checkpoint: Path, eval_file: Path,
+              durability: dict | None = None) -> dict:
     qa = read_json(qa_summary)
     train_log = [json.loads(line) for line in (Path(checkpoint) / "train_log.jsonl").read_text().splitlines() if line]
     evaluation = read_json(eval_file)
@@ -31,7 +32,24 @@ def summarize(config: dict, manifest: Path, qa_summary: Path, gates: Path, check
             "curve": [[e["step"], e["loss"]] for e in train_log],
         },
         "eval": {k: evaluation[k] for k in ("overall", "per_category", "untrained") if k in evaluation},
+        "durability": _durability(durability) if durability is not None else None,
     }
+
+
+DURABILITY_LINES = 20  # files at risk named on the page; the count covers all
+
+
+def _durability(found: dict) -> dict:
+    """What ``storage.safe_to_destroy`` found when the report was written, for the page."""
+    from datetime import datetime, timezone
+
+    from dflash.storage import destroy_verdict
+
+    lines, verdict = destroy_verdict(found, "this run")
+    return {"storage": found["prefix"], "safe": found["safe"], "files_at_risk": len(found["files"]),
+            "bytes_at_risk": found["bytes"], "incomplete": len(found["incomplete"]), "verdict": verdict,
+            "at_risk": lines[:DURABILITY_LINES],
+            "checked_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:70em} table{border-collapse:collapse;margin:1em 0}
@@ -207,7 +225,7 @@ def render_html(s: dict) -> str:
                    {"trained": [e["acceptance_length"] for _, e in rows],
                     **({"untrained": [plain(cat) or 0 for cat, _ in rows]} if untrained else {})})
     loss = (f"<p>loss {tr['first_loss']:.3f} &rarr; {tr['final_loss']:.3f}</p>" if tr["curve"] else "") + _loss_svg(tr["curve"])
-    return _page(f"dflash-pipeline run <code>{html.escape(s['run'])}</code>", f"""
+    return _page(f"dflash-pipeline run <code>{html.escape(s['run'])}</code>", f"""{_durability_html(s.get("durability"))}
 <h2>Counts per stage</h2>{stages}
 <h2>Validation: checks per category</h2>
 <p>Share of each category's completions the check hit (details and examples: qa.html).</p>{checks}
@@ -219,9 +237,23 @@ def render_html(s: dict) -> str:
 """)
 
 
+def _durability_html(d: dict | None) -> str:
+    """Can the machine go? A line at the top: the verdict of `snakemake safe_to_destroy` when the
+    report was written (the report's own files are uploaded just after)."""
+    if not d:
+        return ""
+    colour = "#e6f4ea" if d["safe"] else "#fdecea"
+    where = f"outputs in <code>{html.escape(d['storage'])}</code>" if d["storage"] else "outputs on this machine only"
+    listed = (f"<details><summary>at risk (the first {len(d['at_risk'])})</summary><pre>"
+              f"{html.escape(chr(10).join(d['at_risk']))}</pre></details>" if d["at_risk"] else "")
+    return (f'<p style="background:{colour};padding:6px">Machine: {where}. {html.escape(d["verdict"])} '
+            f'(checked {html.escape(d["checked_at"])}; <code>snakemake safe_to_destroy</code> checks again)</p>{listed}')
+
+
 def write_report(config: dict, manifest: Path, qa_summary: Path, gates: Path, checkpoint: Path, eval_file: Path,
-                 html_path: Path, json_path: Path) -> dict:
-    summary = summarize(config, manifest, qa_summary, gates, checkpoint, eval_file)
+                 html_path: Path, json_path: Path, durability: dict | None = None) -> dict:
+    """The summary page and its JSON; ``durability``: what ``storage.safe_to_destroy`` found."""
+    summary = summarize(config, manifest, qa_summary, gates, checkpoint, eval_file, durability)
     write_json(json_path, summary)
     with atomic_path(html_path) as tmp:
         tmp.write_text(render_html(summary), encoding="utf-8")

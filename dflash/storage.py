@@ -29,15 +29,21 @@ def fetch_from_storage(folder, names: list[str]) -> None:
         obj.s3obj(name).download_file(str(local / name))
 
 
-def check_s3_prefix(prefix: str, s3_resource) -> str | None:
+def check_s3_prefix(prefix: str, s3_resource, write: bool = False) -> str | None:
     """Why the default storage ``prefix`` (s3://bucket/path) cannot be used with the storage
-    plugin's own client (its endpoint and keys), as one line; None when its bucket answers."""
-    bucket = prefix.removeprefix("s3://").split("/")[0]
+    plugin's own client (its endpoint and keys), as one line; None when it can. Listing is what
+    every plan needs; ``write`` (a run, not a dry run) also puts and deletes a small object, so
+    credentials that may only read fail now, not at the upload after a paid-for job."""
+    bucket, _, base = prefix.removeprefix("s3://").rstrip("/").partition("/")
     client = s3_resource.meta.client
+    probe = f"{base}/.dflash-write-check" if base else ".dflash-write-check"
     try:
-        client.head_bucket(Bucket=bucket)
+        client.list_objects_v2(Bucket=bucket, Prefix=base, MaxKeys=1)
+        if write:
+            client.put_object(Bucket=bucket, Key=probe, Body=b"")
+            client.delete_object(Bucket=bucket, Key=probe)
     except Exception as e:
-        return s3_problem(prefix, e, endpoint=client.meta.endpoint_url)
+        return s3_problem(prefix, e, endpoint=client.meta.endpoint_url) or f"{prefix}: {type(e).__name__}: {e}"
     return None
 
 
@@ -160,37 +166,65 @@ def _incomplete(marks: Path) -> list[str]:
     return found
 
 
-def safe_to_destroy(workdir: Path, output_dir: str, prefix: str, part_bytes: int = 8 * 1024 * 1024) -> dict:
-    """What would be lost if this machine vanished now, for a run whose outputs go to ``prefix``:
-    every file of ``output_dir`` here (outputs of a local run, and Snakemake's local copies of
-    stored ones) that the storage lacks or holds with another size or checksum, resume files of
-    generate jobs included, and the jobs a snakemake run marked incomplete (running, or cut off).
-    Returns ``{"files": [(path, bytes, why)], "incomplete": [paths], "bytes": n, "safe": bool}``."""
-    bucket, _, base = prefix.removeprefix("s3://").rstrip("/").partition("/")
-    client = s3_client()
+# The log of the safe_to_destroy rule: what the check printed, which no run needs back.
+CHECK_LOG = "logs/safe_to_destroy.log"
+
+
+def safe_to_destroy(workdir: Path, output_dir: str, prefix: str | None, skip=(),
+                    part_bytes: int = 8 * 1024 * 1024) -> dict:
+    """What would be lost if this machine vanished now, for a run whose outputs go to ``prefix``
+    (None: a run without storage, whose every output is only here): every file of ``output_dir``
+    here (outputs of a local run, and Snakemake's local copies of stored ones) that the storage
+    lacks or holds with another size or checksum, resume files of generate jobs included, and the
+    outputs a snakemake run marked incomplete (a job running, or cut off). ``skip``: files of the
+    job asking (its own log and outputs, written and uploaded after it looks).
+    Returns ``{"prefix", "files": [(path, bytes, why)], "incomplete": [paths], "bytes": n, "safe": bool}``."""
+    workdir = Path(workdir)
+    # a stored output's incomplete marker names its s3:// URL, its file the local copy
+    skipped = {os.path.abspath(p) for p in skip} | {storage_url(p) for p in skip} - {None}
     stored: dict[str, dict] = {}
-    try:
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base):
-            stored.update({o["Key"]: o for o in page.get("Contents", [])})
-    except Exception as e:
-        problem = s3_problem(prefix, e)
-        if problem is None:
-            raise
-        raise ValueError(problem) from None
-    copies = workdir / ".snakemake" / "storage" / "s3" / bucket
-    places = [(workdir / output_dir, f"{base}/{output_dir}" if base else output_dir),
-              (copies / base / output_dir if base else copies / output_dir, f"{base}/{output_dir}" if base else output_dir)]
+    places = [(workdir / output_dir, output_dir)]
+    if prefix:
+        bucket, _, base = prefix.removeprefix("s3://").rstrip("/").partition("/")
+        key_root = f"{base}/{output_dir}" if base else output_dir
+        try:
+            for page in s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base):
+                stored.update({o["Key"]: o for o in page.get("Contents", [])})
+        except Exception as e:
+            raise ValueError(s3_problem(prefix, e) or f"{prefix}: {type(e).__name__}: {e}") from None
+        places = [(workdir / output_dir, key_root),
+                  (workdir / ".snakemake" / "storage" / "s3" / bucket / key_root, key_root)]
     files = []
     for root, key_root in places:
         if not root.is_dir():
             continue
         for path in sorted(p for p in root.rglob("*") if p.is_file()):
-            if path.name.endswith(".lock") or path.name == ".snakemake_timestamp":
-                continue  # empty markers, never outputs
+            if (path.name.endswith(".lock") or path.name == ".snakemake_timestamp" or os.path.abspath(path) in skipped
+                    or path.relative_to(root).as_posix() == CHECK_LOG):
+                continue  # empty markers, never outputs; the asking job's files; what this check logged
             key = f"{key_root}/{path.relative_to(root).as_posix()}"
-            why = _at_risk(path, stored.get(key), part_bytes)
+            why = _at_risk(path, stored.get(key), part_bytes) if prefix else "no storage: this run writes only here"
             if why:
                 files.append((str(path.relative_to(workdir)), path.stat().st_size, why))
-    incomplete = _incomplete(workdir / ".snakemake" / "incomplete")
+    incomplete = [p for p in _incomplete(workdir / ".snakemake" / "incomplete")
+                  if p not in skipped and os.path.abspath(workdir / p) not in skipped]
     total = sum(size for _, size, _ in files)
-    return {"files": files, "incomplete": incomplete, "bytes": total, "safe": not files and not incomplete}
+    return {"prefix": prefix, "files": files, "incomplete": incomplete, "bytes": total,
+            "safe": not files and not incomplete}
+
+
+def destroy_verdict(found: dict, where: str) -> tuple[list[str], str]:
+    """What ``safe_to_destroy`` found, as lines to print (one per file or job at risk), and the
+    verdict: "... safe to destroy" or "NOT safe to destroy: ..." with the fix."""
+    from dflash.io import human_bytes
+
+    lines = [f"only here: {path} ({human_bytes(size)}): {why}" for path, size, why in found["files"]]
+    lines += [f"incomplete (a job running, or cut off): {path}" for path in found["incomplete"]]
+    if found["safe"]:
+        held = f"every output of {where} is in {found['prefix']}" if found["prefix"] else f"{where} holds nothing"
+        return lines, f"{held}: safe to destroy"
+    fix = (f"let the run finish (or re-run snakemake with --default-storage-prefix {found['prefix']}), then check again"
+           if found["prefix"] else "run with --default-storage-provider s3 --default-storage-prefix s3://... "
+           "(README: Running on rented machines), or copy results/ off this machine")
+    return lines, (f"NOT safe to destroy: {len(found['files'])} file(s), {human_bytes(found['bytes'])}, only on this "
+                   f"machine; {len(found['incomplete'])} incomplete job output(s). {fix[0].upper()}{fix[1:]}")

@@ -14,13 +14,18 @@ rule qa_report:
 
 
 rule report:
-    """One page: counts per stage, QA rates, the gates, the loss curve and acceptance per category."""
+    """One page: counts per stage, QA rates, the gates, the loss curve, acceptance per category,
+    and whether the run's outputs are in the storage (safe to destroy the machine)."""
     input:
         manifest=lambda wildcards: prompt_file("manifest.json"),
         qa=f"{OUT}/qa/summary.json",
         gates=f"{OUT}/qa/gates.json",
         checkpoint=f"{OUT}/checkpoints/{RUN}",
         eval=f"{OUT}/eval/{RUN}.json",
+        # last of the run, so its check of what this machine alone holds sees every other job done
+        qa_page=f"{OUT}/report/qa.html",
+    params:
+        storage_prefix=STORAGE_PREFIX,
     output:
         html=report(f"{OUT}/report/summary.html", caption="../report/summary.rst", category="Summary"),
         json=f"{OUT}/report/summary.json",
@@ -30,3 +35,17 @@ rule report:
         "../envs/torch.yaml"
     script:
         "../scripts/report.py"
+
+
+rule safe_to_destroy:
+    """Would anything be lost if this machine vanished now? Every file of the run here that the
+    storage lacks or holds otherwise, and every job output marked incomplete; fails unless it is
+    safe to destroy. No output: it checks anew each time it is named (snakemake safe_to_destroy)."""
+    params:
+        prefix=STORAGE_PREFIX,
+    log:
+        f"{LOGS}/safe_to_destroy.log",
+    conda:
+        "../envs/torch.yaml"
+    script:
+        "../scripts/safe_to_destroy.py"

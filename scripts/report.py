@@ -3,6 +3,10 @@ from dflash.workflow import start_job
 start_job(snakemake)
 
 from dflash.report import write_report  # noqa: E402
+from dflash.storage import safe_to_destroy  # noqa: E402
 
 i, o = snakemake.input, snakemake.output
-write_report(snakemake.config, i.manifest, i.qa, i.gates, i.checkpoint, i.eval, o.html, o.json)
+# This job's own files are written and uploaded after it looks.
+durability = safe_to_destroy(".", snakemake.config["output_dir"], snakemake.params.storage_prefix,
+                             skip=[o.html, o.json, snakemake.log[0]])
+write_report(snakemake.config, i.manifest, i.qa, i.gates, i.checkpoint, i.eval, o.html, o.json, durability)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import socket
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,9 @@ def s3(monkeypatch):
         port = s.getsockname()[1]
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
+    # moto keeps its buckets in this process, from one server to the next: start empty
+    urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/moto-api/reset", data=b"",
+                                                  method="POST")).read()
     for key, value in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
                        "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
         monkeypatch.setenv(key, value)

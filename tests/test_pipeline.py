@@ -88,6 +88,17 @@ def test_second_run_has_nothing_to_do(pipeline):
     assert "Nothing to be done" in snakemake(work, "--cores", "2")
 
 
+def test_a_run_without_storage_is_not_safe_to_destroy(pipeline):
+    """Every output is only on this machine: the report says so, and so does the check target."""
+    work, _ = pipeline
+    durability = read_json(work / "results" / "report" / "summary.json")["durability"]
+    assert durability["storage"] is None and not durability["safe"] and durability["files_at_risk"] > 50
+    assert "Machine: outputs on this machine only. NOT safe to destroy" in (work / "results" / "report" / "summary.html").read_text()
+    out = snakemake(work, "--cores", "1", "safe_to_destroy", check=False)
+    assert "only here: results/completions/shard-00000.jsonl.zst" in out and "no storage: this run writes only here" in out
+    assert "NOT safe to destroy:" in out and "Run with --default-storage-provider s3" in out
+
+
 def test_snakemake_report_embeds_the_summary(pipeline):
     work, _ = pipeline
     snakemake(work, "--report", str(work / "report.html"))
