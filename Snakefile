@@ -73,6 +73,8 @@ onstart:
         check_storage(write=True)
 
 ONLINE = config["train"]["hidden_states"] == "online"
+PILOT = config["pilot"]["enabled"]
+PLANNED = PILOT or bool(config["plan"]["mean_output_tokens"])  # something to forecast output tokens from
 LAUNCH = config["generate"]["server"]["launch"]  # null: no serve jobs, the server is the user's
 # Snakemake would quietly cut a job's claim to the machine's GPUs (--resources gpu=N, counted by
 # profiles/local) and run it on fewer than it starts processes for.
@@ -96,11 +98,13 @@ localrules:
     qa_report,
     report,
     safe_to_destroy,
+    pilot,
+    plan,
 
 
 wildcard_constraints:
     shard=r"\d{5}",
-    server=r"\d+",
+    server=r"\d+|pilot",
     run=r"[A-Za-z0-9._-]+",
 
 
@@ -110,6 +114,7 @@ include: "rules/target.smk"
 include: "rules/generate.smk"
 include: "rules/validate.smk"
 include: "rules/tokenize.smk"
+include: "rules/pilot.smk"
 include: "rules/hidden.smk"
 include: "rules/train.smk"
 include: "rules/eval.smk"

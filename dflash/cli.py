@@ -132,6 +132,26 @@ def _cache_size(cfg, a):
         print(f"within hidden.max_cache_bytes ({human_bytes(limit) if limit is not None else 'no limit'})")
 
 
+def _plan(cfg, a):
+    from dflash.io import read_json, write_json
+    from dflash.plan import forecast, plan_lines, prompt_counts
+    from dflash.workflow import target_dir
+
+    if a.prompts is not None:
+        counts = {"prompts": int(a.prompts), "categories": {"given": int(a.prompts)},
+                  "shards": -(-int(a.prompts) // cfg["prompts"]["shard_size"]), "from": "--prompts"}
+    else:
+        counts = prompt_counts(cfg)
+    out = Path(cfg["output_dir"])
+    pilot = a.pilot or out / "pilot" / "summary.json"
+    state = out / "checkpoints" / cfg["run"] / "trainer_state.json"
+    plan = forecast(cfg, counts, read_json(pilot) if pilot.exists() and a.output_tokens is None else None,
+                    a.output_tokens, read_json(state) if state.exists() else None, a.target or target_dir(cfg))
+    print("\n".join(plan_lines(plan)))
+    if a.json:
+        write_json(a.json, plan)
+
+
 def _safe_to_destroy(cfg, a):
     from dflash.storage import destroy_verdict, safe_to_destroy
 
@@ -189,6 +209,12 @@ def parser() -> argparse.ArgumentParser:
           ("--tokens", {"type": float, "help": "planned token count (e.g. 1.64e9)"}),
           ("--tokenized", {"type": Path, "nargs": "*", "help": "tokenized shard indexes (.json) to count"}),
           ("--target", {"type": Path, "help": "target model folder (default: the config's)"}))
+    stage("plan", _plan, "forecast output tokens, hours, cost, sizes and jobs per node kind (before renting)",
+          ("--prompts", {"type": float, "help": "training prompts (default: the manifest, else the sources counted)"}),
+          ("--output-tokens", {"type": float, "help": "total output tokens, e.g. 1.64e9 (default: from the pilot)"}),
+          ("--pilot", {"type": Path, "help": "the pilot's summary (default: <output_dir>/pilot/summary.json if there)"}),
+          ("--target", {"type": Path, "help": "target model folder, to size the hidden-state cache (default: the config's)"}),
+          ("--json", {"type": Path, "help": "also write the plan as JSON here"}))
     stage("safe-to-destroy", _safe_to_destroy, "is every output of this machine in the storage? (exit 0: yes)",
           ("--prefix", {"help": "the run's --default-storage-prefix, e.g. s3://bucket/run (none: a run "
                                 "without storage, whose every output here is at risk)"}),

@@ -430,14 +430,16 @@ def load_partial(path: Path, wanted: set[str]) -> dict[str, list[dict]]:
 
 
 def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: dict,
-                   summary_path: Path | None = None) -> dict:
+                   summary_path: Path | None = None, pilot: Path | None = None, annotate=None) -> dict:
     """Generate the completion records of every prompt of the shard, resumably; returns a summary.
 
     Each prompt's records are appended (and flushed) to the partial file once all are finished; a
     re-run skips the prompts already there. Failed prompts are not kept there, so a re-run retries
     them. The shard and its summary appear only when every prompt id has exactly one set of
     records; more failed prompts than ``max_error_fraction``, or a server that stopped answering,
-    fail the job instead (finished ones stay for the re-run).
+    fail the job instead (finished ones stay for the re-run). ``pilot``: the pilot's completions,
+    whose records of this shard's prompts are taken as they are. ``annotate(summary)``: fields
+    added to the summary (the run's spend so far).
     """
     prompts = list(iter_jsonl(prompts_path))
     ids = [p["id"] for p in prompts]
@@ -451,13 +453,28 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
     with shard_lock(out_path):
         keep_finished_output(Path(out_path), partial)
         mirror.fetch()  # a run on another machine that the node it ran on did not outlive
-        return _generate_shard(prompts, ids, prompts_path, out_path, partial, target_dir, cfg, summary_path, mirror)
+        from_pilot = seed_from_pilot(partial, pilot, set(ids))
+        return _generate_shard(prompts, ids, prompts_path, out_path, partial, target_dir, cfg, summary_path, mirror,
+                               from_pilot, annotate)
+
+
+def seed_from_pilot(partial: Path, pilot: Path | None, ids: set[str]) -> set[str]:
+    """Add the pilot's finished records of these prompts to the resume file (load_partial drops a
+    record already there); the prompt ids taken from the pilot."""
+    from dflash.pilot import pilot_records
+
+    found = {pid: recs for pid, recs in pilot_records(pilot, ids).items() if finished(recs)}
+    if found:
+        with naming_full_disk(partial), open(partial, "a", encoding="utf-8") as sink:
+            sink.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for recs in found.values() for r in recs))
+    return set(found)
 
 
 def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out_path: Path, partial: Path,
-                    target_dir: Path, cfg: dict, summary_path: Path | None, mirror: PartialMirror) -> dict:
+                    target_dir: Path, cfg: dict, summary_path: Path | None, mirror: PartialMirror,
+                    from_pilot: set[str], annotate) -> dict:
     done = load_partial(partial, set(ids))
-    resumed = len(done)
+    resumed = len(done.keys() - from_pilot)
     pending = [p for p in prompts if p["id"] not in done]
     adopted = [p for p in pending if "imported" in p.get("meta", {})]
     pending = [p for p in pending if "imported" not in p.get("meta", {})]
@@ -525,6 +542,7 @@ def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out
         "prompts": len(prompts),
         "records": len(records),
         "resumed": resumed,
+        "from_pilot": len(from_pilot),
         "requests": requests - len(adopted),
         "adopted": len(adopted),
         "retries": getattr(backend, "retries_done", 0),
@@ -533,8 +551,11 @@ def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out
         "replay_stops": dict(Counter(r["replay"]["stop"] for r in records if r.get("replay", {}).get("stop"))),
         "output_tokens": tokens,
         "seconds": round(seconds, 2),
+        "started_at": round(t0, 1),  # epoch seconds: when the shard's generation ran, for what it cost
         "output_tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
     }
+    if annotate:
+        summary.update(annotate(summary))
     log.info("generate %s: %s", name, summary)
     if len(errors) > cfg["max_error_fraction"] * len(prompts):
         mirror.push()

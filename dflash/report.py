@@ -15,7 +15,8 @@ from dflash.validate import EXAMPLES_PER_REASON
 
 
 def summarize(config: dict, manifest: Path, qa_summary: Path, gates: Path, checkpoint: Path, eval_file: Path,
-              durability: dict | None = None) -> dict:
+              durability: dict | None = None, pilot: Path | None = None, plan: Path | None = None,
+              generated: list[Path] = ()) -> dict:
     qa = read_json(qa_summary)
     train_log = [json.loads(line) for line in (Path(checkpoint) / "train_log.jsonl").read_text().splitlines() if line]
     evaluation = read_json(eval_file)
@@ -33,7 +34,18 @@ def summarize(config: dict, manifest: Path, qa_summary: Path, gates: Path, check
         },
         "eval": {k: evaluation[k] for k in ("overall", "per_category", "untrained") if k in evaluation},
         "durability": _durability(durability) if durability is not None else None,
+        "pilot": read_json(pilot) if pilot else None,
+        "plan": read_json(plan) if plan else None,
+        "generation": _generation(config, [read_json(p) for p in generated]) if generated else None,
     }
+
+
+def _generation(config: dict, summaries: list[dict]) -> dict:
+    """What generation took and cost over its jobs' summaries (as generate.budget counts it)."""
+    from dflash.budget import spend
+
+    return {**spend(summaries, config), "requests": sum(s["requests"] for s in summaries),
+            "job_seconds": round(sum(s["seconds"] for s in summaries), 2), "budget": config["generate"]["budget"]}
 
 
 DURABILITY_LINES = 20  # files at risk named on the page; the count covers all
@@ -234,7 +246,36 @@ def render_html(s: dict) -> str:
 <h2>Drafter training loss</h2>{loss}
 <h2>Acceptance length on held-out prompts</h2>
 <p>Mean tokens accepted per target forward (greedy speculative decoding; 1.0 = no speed-up).</p>{acceptance}
+{_generation_html(s.get("generation"), s.get("plan"))}
+{_plan_html(s.get("pilot"), s.get("plan"))}
 """)
+
+
+def _generation_html(g: dict | None, plan: dict | None) -> str:
+    """Generation's spend, and its output tokens against the plan's forecast."""
+    if not g:
+        return ""
+    forecast = ""
+    if plan and g["output_tokens"]:
+        forecast = (f" (forecast {plan['output_tokens']:,.0f} from {plan['output_tokens_from']}: "
+                    f"{plan['output_tokens'] / g['output_tokens'] - 1:+.1%})")
+    cost = f", {g['cost']:,.2f} $" if g["cost"] is not None else ""
+    limits = ", ".join(f"{k} {v}" for k, v in g["budget"].items() if k.startswith("max_") and v is not None)
+    return (f"<h2>Generation</h2><p>{g['requests']:,} requests, {g['output_tokens']:,} output tokens{forecast}; "
+            f"{g['wall_hours'] * 3600:,.1f} s while any generate job ran ({g['job_seconds']:,.1f} s of job time), "
+            f"{g['node_hours']:.4g} node-hours{cost}" + (f"; budget: {html.escape(limits)}" if limits else "")
+            + "</p>")
+
+
+def _plan_html(pilot: dict | None, plan: dict | None) -> str:
+    """The pilot's findings and the forecast made from them, as `dflash plan` prints them."""
+    from dflash.pilot import pilot_lines
+    from dflash.plan import plan_lines
+
+    lines = (pilot_lines(pilot) if pilot else []) + (plan_lines(plan) if plan else [])
+    return (f"<h2>Pilot and plan</h2><p>What the pilot measured before the full generation, and the forecast "
+            f"from it (results/pilot/summary.json, results/plan.json).</p><pre>{html.escape(chr(10).join(lines))}</pre>"
+            if lines else "")
 
 
 def _durability_html(d: dict | None) -> str:
@@ -251,9 +292,11 @@ def _durability_html(d: dict | None) -> str:
 
 
 def write_report(config: dict, manifest: Path, qa_summary: Path, gates: Path, checkpoint: Path, eval_file: Path,
-                 html_path: Path, json_path: Path, durability: dict | None = None) -> dict:
-    """The summary page and its JSON; ``durability``: what ``storage.safe_to_destroy`` found."""
-    summary = summarize(config, manifest, qa_summary, gates, checkpoint, eval_file, durability)
+                 html_path: Path, json_path: Path, durability: dict | None = None, pilot: Path | None = None,
+                 plan: Path | None = None, generated: list[Path] = ()) -> dict:
+    """The summary page and its JSON; ``durability``: what ``storage.safe_to_destroy`` found;
+    ``pilot``, ``plan``: their JSON files; ``generated``: the generate jobs' summaries."""
+    summary = summarize(config, manifest, qa_summary, gates, checkpoint, eval_file, durability, pilot, plan, generated)
     write_json(json_path, summary)
     with atomic_path(html_path) as tmp:
         tmp.write_text(render_html(summary), encoding="utf-8")

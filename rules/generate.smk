@@ -14,8 +14,11 @@ rule serve:
         python=sys.executable,
         launch=lambda wildcards: json.dumps(LAUNCH),  # a function: the command's {port} is no wildcard
         served_model_name=config["generate"]["server"]["model"] or TARGET,
+        # the pilot's server runs before any other (their generate jobs wait for the pilot): port + 0
+        index=lambda wildcards: 0 if wildcards.server == "pilot" else int(wildcards.server),
     group:
-        "generate"
+        # the pilot's server and its one job apart: the other generate jobs wait for the pilot
+        lambda wildcards: "pilot" if wildcards.server == "pilot" else "generate"
     threads: 1
     resources:
         gpu=LAUNCH["gpus"] if LAUNCH else 0,
@@ -26,7 +29,7 @@ rule serve:
         "../envs/sglang.yaml"
     shell:
         "exec {params.python:q} -m dflash.server --service {output:q} --model {input.target:q}"
-        " --served-model-name {params.served_model_name:q} --launch {params.launch:q} --index {wildcards.server}"
+        " --served-model-name {params.served_model_name:q} --launch {params.launch:q} --index {params.index}"
         " --log {log.launcher:q} --server-log {log.server:q}"
 
 
@@ -36,6 +39,11 @@ rule generate:
         prompts=lambda wildcards: prompt_file(f"shard-{wildcards.shard}.jsonl.zst"),
         target=TARGET_INPUT,
         server=server_file,
+        # Its records of this shard are taken as they are. There even with pilot.enabled false (empty
+        # then), and remade only when the prompts or the record settings change, which re-run every
+        # shard anyway: turning the pilot off or on, or resizing it, re-runs no shard. (Not ancient:
+        # Snakemake 9.27 would then skip this job's own params check whenever the pilot re-runs.)
+        pilot=f"{OUT}/pilot/completions.jsonl.zst",
     output:
         completions=f"{OUT}/completions/shard-{{shard}}.jsonl.zst",
         summary=f"{OUT}/completions/shard-{{shard}}.summary.json",

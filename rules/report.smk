@@ -24,6 +24,11 @@ rule report:
         eval=f"{OUT}/eval/{RUN}.json",
         # last of the run, so its check of what this machine alone holds sees every other job done
         qa_page=f"{OUT}/report/qa.html",
+        pilot=f"{OUT}/pilot/summary.json" if PILOT else [],
+        plan=f"{OUT}/plan.json" if PLANNED else [],
+        # what generation took and cost: every generate job's summary, the pilot's included
+        generated=per_shard(f"{OUT}/completions/shard-{{shard}}.summary.json"),
+        pilot_generated=f"{OUT}/pilot/generate.json",
     params:
         storage_prefix=STORAGE_PREFIX,
     output:

@@ -9,4 +9,5 @@ i, o = snakemake.input, snakemake.output
 # This job's own files are written and uploaded after it looks.
 durability = safe_to_destroy(".", snakemake.config["output_dir"], snakemake.params.storage_prefix,
                              skip=[o.html, o.json, snakemake.log[0]])
-write_report(snakemake.config, i.manifest, i.qa, i.gates, i.checkpoint, i.eval, o.html, o.json, durability)
+write_report(snakemake.config, i.manifest, i.qa, i.gates, i.checkpoint, i.eval, o.html, o.json, durability,
+             pilot=i.pilot or None, plan=i.plan or None, generated=[*i.generated, i.pilot_generated])

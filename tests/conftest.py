@@ -79,12 +79,12 @@ def demo_slice(demo_sources: list[dict], workdir: Path, train: int, heldout: int
 
 def small_run_config(work: Path, demo_sources: list[dict], target_dir: Path | None = None, *, train: int = 2,
                      heldout: int = 1, shard_size: int = 4, max_tokens: int = 16, train_steps: int = 2,
-                     eval_tokens: int = 4, **generate) -> dict:
+                     eval_tokens: int = 4, pilot: dict | None = None, **generate) -> dict:
     """The demo config cut to a quick run in ``work``, written to work/config.yaml: ``train`` and
     ``heldout`` conversations of each category, a one-layer drafter, every check a flag (a briefly
-    taught target writes little that passes, and every stage needs data), no length gates.
-    ``target_dir``: an already built target (none: the run builds the demo's); ``generate``:
-    overrides of the generate section."""
+    taught target writes little that passes, and every stage needs data), no length gates, no
+    pilot unless ``pilot`` (its config section) is given. ``target_dir``: an already built target
+    (none: the run builds the demo's); ``generate``: overrides of the generate section."""
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
     cfg["prompts"] = {"shard_size": shard_size, "sources": demo_slice(demo_sources, work, train=train, heldout=heldout)}
     if target_dir is not None:
@@ -96,6 +96,7 @@ def small_run_config(work: Path, demo_sources: list[dict], target_dir: Path | No
     cfg["drafter"] = {"num_layers": 1, "target_layer_ids": [1, 3], "block_size": 4}
     cfg["train"] = {"steps": train_steps, "batch_size": 2}
     cfg["eval"] = {"max_new_tokens": eval_tokens}
+    cfg["pilot"] = pilot or {"enabled": False}
     (work / "config.yaml").write_text(yaml.safe_dump(cfg))
     return cfg
 

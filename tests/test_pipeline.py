@@ -43,7 +43,7 @@ def planned_jobs(dry_run_output: str) -> set[tuple[str, str | None]]:
 def pipeline(tmp_path_factory, demo_sources):
     work = tmp_path_factory.mktemp("pipeline")
     config = small_run_config(work, demo_sources, train=8, heldout=2, shard_size=12, max_tokens=24, train_steps=4,
-                              eval_tokens=8)
+                              eval_tokens=8, pilot={"min_per_category": 4})
     config["target"]["build"]["teach"]["steps"] = 20
     (work / "config.yaml").write_text(yaml.safe_dump(config))
     out = snakemake(work, "--cores", "2")
@@ -81,6 +81,24 @@ def test_whole_chain_runs_and_writes_every_stage(pipeline):
     assert "Output length per category" in (res / "report" / "qa.html").read_text()
     for rule in ("prompts", "target", "train/demo", "eval/demo", "report", "gate", "qa_summary", "qa_report"):
         assert (res / "logs" / f"{rule}.log").exists(), rule
+
+
+def test_the_pilot_ran_first_and_no_prompt_is_generated_twice(pipeline):
+    """The pilot (4 prompts of each category) ran before the full generation, which took its
+    records as they were; its findings reached the console, the plan and the report."""
+    work, out = pipeline
+    res = work / "results"
+    pilot = read_json(res / "pilot" / "summary.json")
+    assert pilot["prompts"] == 16 and {c: v["sampled"] for c, v in pilot["categories"].items()} == {
+        "chat": 4, "code": 4, "reasoning": 4, "tool": 4}
+    assert "pilot: 16 prompts" in out and "plan: 32 prompts" in out  # on the console
+    shards = [read_json(p) for p in sorted((res / "completions").glob("shard-*.summary.json"))]
+    generated = read_json(res / "pilot" / "generate.json")
+    records = [r for p in (res / "completions").glob("shard-*.jsonl.zst") for r in read_jsonl(p)]
+    assert sum(s["from_pilot"] for s in shards) == 16
+    assert generated["requests"] + sum(s["requests"] for s in shards) == len(records)  # each asked for once
+    assert read_json(res / "plan.json")["output_tokens_from"] == "pilot"
+    assert "Pilot and plan" in (res / "report" / "summary.html").read_text()
 
 
 def test_second_run_has_nothing_to_do(pipeline):

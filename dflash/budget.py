@@ -1,0 +1,125 @@
+"""What generation has cost so far, and the guard that starts no generate job the budget cannot
+finish (config generate.budget). Spend is node time: the wall time during which any generate job
+(the pilot's included) ran, times the nodes held (generate.budget.nodes), priced by the node kind
+of plan.profiles that generate.budget.profile names.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflash.io import read_json
+
+
+class BudgetError(RuntimeError):
+    pass
+
+
+def node_price(config: dict) -> float | None:
+    """Price of one node-hour of the budget's node kind; None when no price is set."""
+    kind = config["generate"]["budget"]["profile"]
+    if kind is None:
+        return None
+    profile = config["plan"]["profiles"].get(kind)
+    if profile is None:
+        raise ValueError(f"generate.budget.profile {kind!r} is no node kind of plan.profiles "
+                         f"({', '.join(config['plan']['profiles'])})")
+    return None if profile["gpu_hour_price"] is None else profile["gpu_hour_price"] * profile["gpus_per_node"]
+
+
+def _wall_seconds(summaries: list[dict]) -> float:
+    """Seconds during which at least one of these generate jobs ran (overlaps counted once)."""
+    spans = sorted((s["started_at"], s["started_at"] + s["seconds"]) for s in summaries if s.get("started_at") is not None)
+    total, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def generated_prompts(summary: dict) -> int:
+    """Prompts a generate job asked the model for (not taken from the pilot or a resume file)."""
+    return summary["prompts"] - summary.get("from_pilot", 0) - summary.get("resumed", 0) - summary.get("adopted", 0)
+
+
+def spend(summaries: list[dict], config: dict) -> dict:
+    """Generation's wall hours, node-hours and cost over these generate summaries."""
+    wall = _wall_seconds(summaries) / 3600
+    nodes = config["generate"]["budget"]["nodes"]
+    price = node_price(config)
+    return {"wall_hours": wall, "node_hours": wall * nodes, "cost": wall * nodes * price if price is not None else None,
+            "prompts_generated": sum(generated_prompts(s) for s in summaries),
+            "output_tokens": sum(s["output_tokens"] for s in summaries)}
+
+
+def check_budget(config: dict, finished: list[dict], pilot: dict | None, prompts_total: int) -> dict | None:
+    """Raise BudgetError when what generation has spent plus the forecast for the prompts still to
+    generate would pass generate.budget; the forecast is the node time per prompt measured so
+    far (finished shards and the pilot). Returns the spend and forecast (None: no budget set)."""
+    budget = config["generate"]["budget"]
+    if budget["max_node_hours"] is None and budget["max_cost"] is None:
+        return None
+    measured = finished + ([pilot] if pilot else [])
+    spent = spend(measured, config)
+    if not spent["prompts_generated"]:
+        return {**spent, "forecast_node_hours": None}  # nothing measured yet: nothing to forecast from
+    taken = sum(s["prompts"] for s in finished)
+    pilot_left = (pilot["prompts"] if pilot else 0) - sum(s.get("from_pilot", 0) for s in finished)
+    left = max(0, prompts_total - taken - pilot_left)
+    forecast = left * spent["node_hours"] / spent["prompts_generated"]
+    price = node_price(config)
+    checks = [("max_node_hours", budget["max_node_hours"], spent["node_hours"], forecast, "node-hours", "{:.3g}")]
+    if budget["max_cost"] is not None:
+        if price is None:
+            raise BudgetError("generate.budget.max_cost needs a price: set generate.budget.profile to a node kind of "
+                              "plan.profiles with its gpu_hour_price")
+        checks.append(("max_cost", budget["max_cost"], spent["cost"], forecast * price, "$", "{:,.2f}"))
+    for key, limit, used, coming, unit, fmt in checks:
+        if limit is not None and used + coming > limit:
+            def show(x):
+                return f"${fmt.format(x)}" if unit == "$" else f"{fmt.format(x)} {unit}"
+            raise BudgetError(f"generate budget: spent {show(used)} + forecast {show(coming)} for the {left:,} prompts "
+                              f"left = {show(used + coming)}, over generate.budget.{key} {show(limit)}: no further "
+                              f"generate job starts (finished shards are kept); raise it and re-run to go on")
+    return {**spent, "forecast_node_hours": forecast, "prompts_left": left}
+
+
+def read_summaries(folder: Path) -> list[dict]:
+    """The summaries of the finished generate jobs in a completions folder: here, or in the
+    storage when the folder is Snakemake's local copy of a stored one."""
+    from dflash.storage import s3_client, storage_url
+
+    local = sorted(Path(folder).glob("shard-*.summary.json"))
+    url = storage_url(Path(folder) / "x")
+    if not url:
+        return [read_json(p) for p in local]
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = s3_client()
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    prefix = key[:-1]
+    keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "shard-")
+            for o in page.get("Contents", []) if o["Key"].endswith(".summary.json")]
+    with ThreadPoolExecutor(16) as pool:
+        return list(pool.map(lambda k: json.loads(client.get_object(Bucket=bucket, Key=k)["Body"].read()), keys))
+
+
+def read_beside(path: Path, name: str) -> dict | None:
+    """The JSON file ``name`` in the folder of ``path``: here, or fetched from the storage when the
+    folder is Snakemake's local copy of a stored one; None when it is in neither."""
+    from dflash.storage import s3_client, storage_url
+
+    beside = Path(path).parent / name
+    if beside.exists():
+        return read_json(beside)
+    url = storage_url(beside)
+    if not url:
+        return None
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    try:
+        return json.loads(s3_client().get_object(Bucket=bucket, Key=key)["Body"].read())
+    except Exception as e:
+        if "NoSuchKey" in type(e).__name__ or "NoSuchKey" in str(e):
+            return None
+        raise

@@ -1,0 +1,157 @@
+"""Pilot: a small stratified sample of every source and category, generated, validated and
+tokenized with the run's real settings before the full generation (DESIGN.md: the story's risky
+tool prompts came last, and 87% trivial answers were found only after the data set was built).
+What it measures (output lengths per category, reject reasons, throughput, the gates' verdicts)
+is what ``dflash plan`` forecasts from; the full run's generate jobs reuse its records.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from dflash.io import iter_jsonl, read_json, write_json, write_jsonl_zst
+
+log = logging.getLogger(__name__)
+
+
+def sample_prompts(prompts_dir: Path, share: float, min_per_category: int) -> tuple[list[dict], list[dict]]:
+    """The pilot's prompts: of each (source, category) stratum of the training prompts,
+    ``max(min_per_category, ceil(share x size))`` of them (all, when it holds fewer), the ones
+    with the lowest ids: ids are content hashes, so this is a fixed pick that favours nothing.
+    Returns the prompts (in shard order) and the strata with their sizes. Two passes over the
+    shards, the first keeping ids only: a real run's prompts do not fit in memory twice."""
+    prompts_dir = Path(prompts_dir)
+    shards = [prompts_dir / s["name"] for s in read_json(prompts_dir / "manifest.json")["shards"]]
+    strata: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for shard in shards:
+        for rec in iter_jsonl(shard):
+            strata[rec["source"], rec["category"]].append(rec["id"])
+    chosen: set[str] = set()
+    table = []
+    for (source, category), ids in sorted(strata.items()):
+        n = min(len(ids), max(min_per_category, math.ceil(share * len(ids))))
+        chosen.update(sorted(ids)[:n])
+        table.append({"source": source, "category": category, "prompts": len(ids), "sampled": n})
+    picked = [rec for shard in shards for rec in iter_jsonl(shard) if rec["id"] in chosen]
+    return picked, table
+
+
+def write_pilot_prompts(prompts_dir: Path, prompts_out: Path, selection_out: Path, cfg: dict) -> list[dict]:
+    """The pilot's prompts and its strata; none when ``cfg["enabled"]`` is false (the files stay:
+    every generate job reads them)."""
+    picked, table = sample_prompts(prompts_dir, cfg["share"], cfg["min_per_category"])
+    if not cfg["enabled"]:
+        picked, table = [], [{**t, "sampled": 0} for t in table]
+    write_jsonl_zst(prompts_out, picked)
+    write_json(selection_out, {"share": cfg["share"], "min_per_category": cfg["min_per_category"], "strata": table})
+    log.info("pilot: %d prompts from %d strata (%s)", len(picked), len(table),
+             ", ".join(f"{t['source']}/{t['category']} {t['sampled']} of {t['prompts']}" for t in table))
+    return table
+
+
+def _rank(ordered: list[int], q: float) -> int:
+    """The nearest-rank percentile (a value the sample holds)."""
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else 0
+
+
+def _lengths(values: list[int]) -> dict:
+    ordered = sorted(values)
+    return {"n": len(values), "mean": round(statistics.fmean(values), 2) if values else 0.0,
+            "sd": round(statistics.stdev(values), 2) if len(values) > 1 else 0.0,
+            "p50": _rank(ordered, 0.5), "p90": _rank(ordered, 0.9),
+            "max": ordered[-1] if ordered else 0}
+
+
+def _output_tokens(records: list[dict]) -> int:
+    return sum(r["usage"]["completion_tokens"] for r in records if r["usage"])
+
+
+def _per_prompt(records: list[dict]) -> dict[str, int]:
+    totals: Counter = Counter()
+    for r in records:
+        totals[r["prompt_id"]] += r["usage"]["completion_tokens"] if r["usage"] else 0
+    return dict(totals)
+
+
+def summarize_pilot(selection: Path, generated: Path, completions: Path, qa: Path, index: Path, gates: dict,
+                    gpus: int | None) -> dict:
+    """What the pilot measured: per category the prompts it stands for, output tokens per record
+    (mean, sd, percentiles, share cut at max_tokens), rejects per reason; the throughput seen (per
+    GPU when ``gpus`` is known); bytes per record; tokens per tokenized row; the gates' verdicts."""
+    from dflash.gates import evaluate_gates, qa_summary
+
+    table = read_json(selection)["strata"]
+    gen = read_json(generated)
+    summary = qa_summary([qa], [index])
+    records = list(iter_jsonl(completions))
+    by_category: dict[str, list[dict]] = defaultdict(list)
+    for rec in records:
+        by_category[rec["category"]].append(rec)
+    population = Counter()
+    for t in table:
+        population[t["category"]] += t["prompts"]
+    categories = {}
+    for cat, recs in sorted(by_category.items()):
+        counts = summary["categories"].get(cat, {})
+        categories[cat] = {
+            "prompts": population[cat], "sampled": len({r["prompt_id"] for r in recs}), "records": len(recs),
+            "output_tokens": _lengths([r["usage"]["completion_tokens"] for r in recs if r["usage"]]),
+            # what the plan scales by the category's prompts (a replayed conversation has several records)
+            "output_tokens_per_prompt": _lengths(list(_per_prompt(recs).values())),
+            "cut_at_max_tokens": sum(r["finish_reason"] == "length" for r in recs) / len(recs),
+            "reject_rate": counts.get("reject_rate", 0.0),
+            "rejected_by_reason": {code: c["by_category"][cat] for code, c in summary["checks"].items()
+                                   if c["action"] == "reject" and c["by_category"].get(cat)},
+        }
+    seconds = gen["seconds"] or 1e-9
+    tokens = summary["tokenized"]
+    trivial = summary["checks"].get("trivial", {"total": 0})["total"]
+    return {
+        "prompts": len({r["prompt_id"] for r in records}), "records": len(records),
+        "strata": table, "categories": categories,
+        "reject_rate": summary["reject_rate"],
+        "rejected_by_reason": {code: c["total"] for code, c in summary["checks"].items()
+                               if c["action"] == "reject" and c["total"]},
+        "trivial_share": trivial / len(records) if records else 0.0,
+        "throughput": {"output_tokens": gen["output_tokens"], "requests": gen["requests"], "seconds": gen["seconds"],
+                       "output_tokens_per_s": round(gen["output_tokens"] / seconds, 2),
+                       "requests_per_s": round(gen["requests"] / seconds, 3), "gpus": gpus,
+                       "output_tokens_per_s_per_gpu": round(gen["output_tokens"] / seconds / gpus, 2) if gpus else None},
+        "bytes_per_output_token": round(Path(completions).stat().st_size / max(1, _output_tokens(records)), 3),
+        "records_per_prompt": round(len(records) / max(1, len({r["prompt_id"] for r in records})), 4),
+        "tokens_per_row": round(tokens.get("tokens", 0) / max(1, tokens.get("rows", 0)), 1),
+        "rows_per_record": round(tokens.get("rows", 0) / max(1, len(records)), 4),
+        "gates": evaluate_gates(summary, gates),
+    }
+
+
+def pilot_lines(p: dict) -> list[str]:
+    """The pilot's findings for a terminal: a line per category, the throughput, the gates."""
+    t = p["throughput"]
+    per_gpu = f", {t['output_tokens_per_s_per_gpu']:,.0f} per GPU" if t["output_tokens_per_s_per_gpu"] else ""
+    lines = [f"pilot: {p['prompts']} prompts, {p['records']} records, {p['reject_rate']:.1%} rejected, "
+             f"{p['trivial_share']:.1%} trivial; {t['output_tokens_per_s']:,.1f} output tokens/s{per_gpu}, "
+             f"{t['requests_per_s']:.2f} requests/s"]
+    for cat, c in p["categories"].items():
+        o = c["output_tokens"]
+        lines.append(f"  {cat}: {c['sampled']} of {c['prompts']} prompts; output tokens mean {o['mean']:.0f} "
+                     f"(sd {o['sd']:.0f}, p90 {o['p90']}, max {o['max']}), {c['cut_at_max_tokens']:.0%} cut at "
+                     f"max_tokens, {c['reject_rate']:.0%} rejected"
+                     + (f" ({', '.join(f'{k} {v}' for k, v in c['rejected_by_reason'].items())})"
+                        if c["rejected_by_reason"] else ""))
+    lines += [f"  {'pass' if g['passed'] else 'FAIL'}: {g['message']}" for g in p["gates"]]
+    return lines
+
+
+def pilot_records(path: Path | None, ids: set[str]) -> dict[str, list[dict]]:
+    """The pilot's finished records of the prompts ``ids`` (a generate job's shard), by prompt id:
+    the job writes them as they are instead of asking for them again."""
+    found: dict[str, list[dict]] = defaultdict(list)
+    if path:
+        for rec in iter_jsonl(path):
+            if rec["prompt_id"] in ids and rec["finish_reason"] != "error":
+                found[rec["prompt_id"]].append(rec)
+    return dict(found)

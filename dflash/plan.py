@@ -1,0 +1,187 @@
+"""Plan before renting: output tokens, generation hours and cost per node kind and count, data
+sizes and jobs per rule, from the prompt counts and what the pilot measured (or figures the user
+gives). DESIGN.md: the story's run was sized by hand (17.45 h and ~$471 on 7x B200; ~16.5 days
+estimated on a 4x RTX PRO 6000 node); none of the reference tools forecasts anything.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+
+from dflash.io import human_bytes, read_json
+
+Z95 = 1.96  # the ranges: 95% intervals of the pilot's sampling error
+# The story's completions: 7.25 GB of zstd JSONL for 1.64e9 output tokens (used without a pilot).
+STORY_BYTES_PER_OUTPUT_TOKEN = 7.25e9 / 1.64e9
+
+
+def prompt_counts(config: dict, manifest: Path | None = None) -> dict:
+    """Training prompts per category and the shards they make: from the prompts manifest when the
+    prompts stage has run, else by reading the sources (before the checkpoint; duplicates and
+    prompts the target cannot take are still in, so it errs high)."""
+    manifest = Path(manifest or Path(config["output_dir"]) / "prompts" / "manifest.json")
+    if manifest.exists():
+        m = read_json(manifest)
+        return {"prompts": m["prompts"], "categories": m["categories"], "shards": len(m["shards"]), "from": str(manifest)}
+    from dflash.prompts import read_source
+
+    categories: Counter = Counter()
+    for source in config["prompts"]["sources"]:
+        categories.update(r["category"] for r in read_source(source) if r["meta"].get("split") != "heldout")
+    prompts = sum(categories.values())
+    return {"prompts": prompts, "categories": dict(categories),
+            "shards": math.ceil(prompts / config["prompts"]["shard_size"]), "from": "the sources, counted"}
+
+
+def _tokens_from_pilot(categories: dict, pilot: dict) -> tuple[float, float]:
+    """Total output tokens (stratified: each category's prompts x the pilot's mean per prompt)
+    and the half-width of its 95% interval (finite-population sampling error)."""
+    every = [c["output_tokens_per_prompt"] for c in pilot["categories"].values()]
+    overall = sum(c["mean"] * c["n"] for c in every) / max(1, sum(c["n"] for c in every))
+    total = variance = 0.0
+    for cat, n_cat in categories.items():
+        measured = pilot["categories"].get(cat)
+        if not measured:  # a category the pilot missed: the overall mean, no spread known
+            total += n_cat * overall
+            continue
+        per = measured["output_tokens_per_prompt"]
+        total += n_cat * per["mean"]
+        if per["n"] > 1:
+            variance += n_cat ** 2 * per["sd"] ** 2 / per["n"] * max(0.0, 1 - per["n"] / max(n_cat, per["n"]))
+    return total, Z95 * math.sqrt(variance)
+
+
+def _rates(config: dict, pilot: dict | None) -> dict[str, dict]:
+    """Per node kind: GPUs, price, output tokens/s of one node and where that figure comes from."""
+    plan = config["plan"]
+    measured = (pilot or {}).get("throughput", {})
+    kinds = {}
+    for kind, p in plan["profiles"].items():
+        rate, source = p["output_tokens_per_s"], "plan.profiles"
+        if pilot and plan["pilot_profile"] == kind and measured.get("output_tokens_per_s_per_gpu"):
+            rate, source = measured["output_tokens_per_s_per_gpu"] * p["gpus_per_node"], "pilot"  # measured wins
+        kinds[kind] = {"gpus_per_node": p["gpus_per_node"], "gpu_hour_price": p["gpu_hour_price"],
+                       "output_tokens_per_s": rate, "rate_from": source if rate else None}
+    if pilot and plan["pilot_profile"] is None:
+        kinds = {"local": {"gpus_per_node": measured.get("gpus") or 1, "gpu_hour_price": None,
+                           "output_tokens_per_s": measured["output_tokens_per_s"], "rate_from": "pilot"}, **kinds}
+    return kinds
+
+
+def forecast(config: dict, counts: dict, pilot: dict | None = None, output_tokens: float | None = None,
+             trainer_state: dict | None = None, target: str | Path | None = None) -> dict:
+    """The plan: output tokens (with its range), and per node kind and node count the generation
+    hours and cost; completions size, the hidden-state cache (or online mode), training hours
+    and jobs per rule. ``output_tokens``: the user's own total, instead of the pilot's."""
+    prompts = counts["prompts"]
+    spread = 0.0
+    if output_tokens is not None:
+        tokens, tokens_from = float(output_tokens), "given"
+    elif pilot:
+        tokens, spread = _tokens_from_pilot(counts["categories"], pilot)
+        tokens_from = "pilot"
+    elif config["plan"]["mean_output_tokens"]:
+        tokens, tokens_from = prompts * config["plan"]["mean_output_tokens"], "plan.mean_output_tokens"
+    else:
+        raise ValueError("no figure to forecast output tokens from: run the pilot (snakemake pilot), or give "
+                         "plan.mean_output_tokens or --output-tokens")
+    low, high = max(0.0, tokens - spread), tokens + spread
+    kinds = _rates(config, pilot)
+    generation = {}
+    for kind, k in kinds.items():
+        rows = []
+        for nodes in config["plan"]["nodes"] if kind != "local" else [1]:
+            if not k["output_tokens_per_s"]:
+                continue
+            rate = k["output_tokens_per_s"] * nodes
+            hours = [t / rate / 3600 for t in (tokens, low, high)]
+            price = k["gpu_hour_price"]
+            cost = [h * nodes * k["gpus_per_node"] * price for h in hours] if price is not None else None
+            rows.append({"nodes": nodes, "hours": hours[0], "hours_range": hours[1:],
+                         "cost": cost[0] if cost else None, "cost_range": cost[1:] if cost else None})
+        generation[kind] = {**k, "forecast": rows}
+
+    per_token = (pilot["bytes_per_output_token"] if pilot and pilot.get("bytes_per_output_token")
+                 else STORY_BYTES_PER_OUTPUT_TOKEN)
+    sizes = {"completions_bytes": tokens * per_token, "completions_bytes_range": [low * per_token, high * per_token],
+             "completions_from": "pilot" if pilot else "the story's 4.42 bytes per output token"}
+    if config["train"]["hidden_states"] == "online":
+        sizes["hidden"] = "train.hidden_states online: no cache"
+    else:
+        if pilot:
+            kept = 1 - pilot["reject_rate"]
+            row_tokens = prompts * pilot["records_per_prompt"] * kept * pilot["rows_per_record"] * pilot["tokens_per_row"]
+        else:
+            row_tokens = tokens  # prompt tokens unknown: at least the output tokens
+        if target and Path(target).is_dir():
+            from dflash.hidden import cache_plan
+
+            sizes["hidden"] = cache_plan(config, target, int(row_tokens))["text"]
+        else:  # a hub name: nothing is downloaded to plan
+            sizes["hidden"] = (f"{row_tokens:.3g} tokens; the target ({target}) is not on this machine: "
+                               f"`dflash cache-size --tokens {row_tokens:.3g} --target <its folder>` sizes the cache")
+
+    training = "not measured: a finished training run's trainer_state.json gives its step rate"
+    if trainer_state and trainer_state.get("seconds"):
+        steps_done = trainer_state["steps"] - (trainer_state.get("resumed_from_step") or 0)
+        rate = steps_done / trainer_state["seconds"]
+        training = {"steps": config["train"]["steps"], "steps_per_s": rate,
+                    "hours": config["train"]["steps"] / rate / 3600 if rate else None}
+
+    shards = counts["shards"]
+    launch = config["generate"]["server"]["launch"]
+    jobs = {"prompts": 1, "generate": shards, "validate": shards, "tokenize": shards,
+            **({"serve": math.ceil(shards / launch["shards_per_server"])} if launch else {}),
+            **({"hidden": shards} if config["train"]["hidden_states"] != "online" else {}),
+            "train": 1, "eval": 1, "qa_summary": 1, "gate": 1, "report": 1}
+    return {"prompts": prompts, "categories": counts["categories"], "counted_from": counts["from"],
+            "output_tokens": tokens, "output_tokens_range": [low, high], "output_tokens_from": tokens_from,
+            "generation": generation, "sizes": sizes, "training": training, "jobs": jobs}
+
+
+def _count(x: float) -> str:
+    """1.64e9 -> '1.64e9', 4321 -> '4,321'."""
+    return f"{x:,.0f}" if x < 1e6 else f"{x:.3g}".replace("e+0", "e").replace("e+", "e")
+
+
+def _money(x: float | None) -> str:
+    return "-" if x is None else f"${x:,.0f}"
+
+
+def _duration(hours: float) -> str:
+    if hours < 1 / 60:
+        return f"{hours * 3600:.0f} s"
+    if hours < 1:
+        return f"{hours * 60:.1f} min"
+    return f"{hours:,.1f} h" if hours < 48 else f"{hours / 24:,.1f} days"
+
+
+def plan_lines(plan: dict) -> list[str]:
+    """The plan for a terminal: one line per node kind and count, then sizes, training, jobs."""
+    low, high = plan["output_tokens_range"]
+    span = f" ({_count(low)} to {_count(high)})" if high > low else ""
+    lines = [f"plan: {plan['prompts']:,} prompts (from {plan['counted_from']}), {_count(plan['output_tokens'])} output "
+             f"tokens{span} (from {plan['output_tokens_from']})"]
+    for kind, g in plan["generation"].items():
+        if not g["forecast"]:
+            lines.append(f"  {kind}: no generation rate: set plan.profiles.{kind}.output_tokens_per_s, or run the "
+                         f"pilot there (plan.pilot_profile: {kind})")
+        for f in g["forecast"]:
+            h0, h1 = f["hours_range"]
+            hours = _duration(f["hours"]) + (f" ({_duration(h0)} to {_duration(h1)})" if h1 > h0 else "")
+            cost = ("" if f["cost"] is None else f", {_money(f['cost'])}"
+                    + (f" ({_money(f['cost_range'][0])} to {_money(f['cost_range'][1])})" if h1 > h0 else ""))
+            lines.append(f"  {kind} x{f['nodes']} ({f['nodes'] * g['gpus_per_node']} GPUs, "
+                         f"{g['output_tokens_per_s'] * f['nodes']:,.0f} tok/s from {g['rate_from']}): "
+                         f"generation {hours}{cost}")
+    s = plan["sizes"]
+    c0, c1 = s["completions_bytes_range"]
+    lines.append(f"  completions: {human_bytes(s['completions_bytes'])}"
+                 + (f" ({human_bytes(c0)} to {human_bytes(c1)})" if c1 > c0 else "")
+                 + f" zstd (from {s['completions_from']}); hidden states: {s['hidden']}")
+    t = plan["training"]
+    lines.append(f"  training: {t}" if isinstance(t, str) else
+                 f"  training: {t['steps']:,} steps at {t['steps_per_s']:.3g} steps/s = {_duration(t['hours'])}")
+    lines.append("  jobs: " + ", ".join(f"{rule} {n:,}" for rule, n in plan["jobs"].items()))
+    return lines

@@ -1,0 +1,107 @@
+# The pilot (config pilot): a stratified sample of every source and category through generate,
+# validate and tokenize with the run's own settings, before the full generation. The stage rules
+# are reused as they are, on the pilot's files.
+
+
+rule pilot_prompts:
+    """The sample: of each source and category, share x its prompts, at least min_per_category.
+    The pilot section is read by the script, not a param: resizing or turning off a pilot that
+    ran re-runs nothing (every generate job takes the pilot's records); --forcerun pilot_prompts
+    makes it again, and every generate job after it."""
+    input:
+        f"{OUT}/prompts",
+    output:
+        prompts=f"{OUT}/pilot/prompts.jsonl.zst",
+        selection=f"{OUT}/pilot/selection.json",
+    log:
+        f"{LOGS}/pilot/prompts.log",
+    conda:
+        "../envs/torch.yaml"
+    script:
+        "../scripts/pilot_prompts.py"
+
+
+use rule generate as pilot_generate with:
+    input:
+        prompts=f"{OUT}/pilot/prompts.jsonl.zst",
+        target=TARGET_INPUT,
+        server=f"{OUT}/servers/pilot.json" if LAUNCH and PILOT else [],  # no server for an empty pilot
+    output:
+        completions=f"{OUT}/pilot/completions.jsonl.zst",
+        summary=f"{OUT}/pilot/generate.json",
+    group:
+        "pilot" if LAUNCH else None
+    log:
+        f"{LOGS}/pilot/generate.log",
+    benchmark:
+        f"{BENCH}/pilot/generate.tsv"
+
+
+use rule validate as pilot_validate with:
+    input:
+        completions=f"{OUT}/pilot/completions.jsonl.zst",
+    output:
+        validated=f"{OUT}/pilot/validated.jsonl.zst",
+        rejected=f"{OUT}/pilot/rejected.jsonl.zst",
+        qa=f"{OUT}/pilot/qa.json",
+    params:
+        validate={k: v for k, v in config["validate"].items() if k != "exclude"},
+        excluded=lambda wildcards: read_exclusions(config["validate"]["exclude"]),
+    log:
+        f"{LOGS}/pilot/validate.log",
+    benchmark:
+        f"{BENCH}/pilot/validate.tsv"
+
+
+use rule tokenize as pilot_tokenize with:
+    input:
+        validated=f"{OUT}/pilot/validated.jsonl.zst",
+        target=TARGET_INPUT,
+    output:
+        tensors=f"{OUT}/pilot/tokenized.safetensors",
+        index=f"{OUT}/pilot/tokenized.json",
+    log:
+        f"{LOGS}/pilot/tokenize.log",
+    benchmark:
+        f"{BENCH}/pilot/tokenize.tsv"
+
+
+rule pilot:
+    """What the pilot measured (results/pilot/summary.json), printed on the console too: output
+    lengths and rejects per category, the throughput seen, the gates' verdicts (not enforced here:
+    the gate rule judges the full run)."""
+    input:
+        selection=f"{OUT}/pilot/selection.json",
+        generated=f"{OUT}/pilot/generate.json",
+        completions=f"{OUT}/pilot/completions.jsonl.zst",
+        qa=f"{OUT}/pilot/qa.json",
+        index=f"{OUT}/pilot/tokenized.json",
+    output:
+        f"{OUT}/pilot/summary.json",
+    params:
+        gates=config["gates"],
+        # the GPUs behind the measured rate: a started server's, the in-process model's one
+        gpus=LAUNCH["gpus"] if LAUNCH else (1 if config["generate"]["backend"] == "transformers" else None),
+    log:
+        f"{LOGS}/pilot/summary.log",
+    conda:
+        "../envs/torch.yaml"
+    script:
+        "../scripts/pilot.py"
+
+
+rule plan:
+    """The forecast per node kind of plan.profiles (results/plan.json, printed on the console):
+    output tokens with their range, generation hours and cost per node count, data sizes, jobs."""
+    input:
+        manifest=lambda wildcards: prompt_file("manifest.json"),
+        pilot=f"{OUT}/pilot/summary.json" if PILOT else [],
+        target=TARGET_INPUT,  # its sizes, for the hidden-state cache
+    output:
+        f"{OUT}/plan.json",
+    log:
+        f"{LOGS}/plan.log",
+    conda:
+        "../envs/torch.yaml"
+    script:
+        "../scripts/plan.py"

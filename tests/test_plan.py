@@ -1,0 +1,73 @@
+"""dflash plan: the story's run from its own figures, and a plan before the prompts exist."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from dflash.config import load_config
+from dflash.plan import forecast, plan_lines
+from tests.conftest import ROOT
+
+STORY_TOKENS, STORY_PROMPTS = 1.64e9, 913_786
+
+
+def test_the_story_run_from_its_own_figures():
+    """DESIGN.md: 1.64e9 output tokens at 25,000 tok/s on a 7x B200 node at $27 a node-hour took
+    17.45 h and ~$471; on a 4x RTX PRO 6000 node it was estimated at ~16.5 days."""
+    cfg = load_config(ROOT / "config/qwen3.6-27b.yaml")
+    cfg["plan"]["profiles"] = {
+        "b200": {"gpus_per_node": 7, "gpu_hour_price": 27 / 7, "output_tokens_per_s": 25_000},
+        "rtxpro6000": {"gpus_per_node": 4, "gpu_hour_price": None, "output_tokens_per_s": STORY_TOKENS / (16.5 * 86400)},
+    }
+    cfg["plan"]["nodes"] = [1, 2]
+    counts = {"prompts": STORY_PROMPTS, "categories": {"given": STORY_PROMPTS}, "shards": 1828, "from": "--prompts"}
+    plan = forecast(cfg, counts, output_tokens=STORY_TOKENS, target="Qwen/Qwen3.6-27B")
+    print("\n".join(plan_lines(plan)))
+    b200 = plan["generation"]["b200"]["forecast"]
+    assert 17.45 <= b200[0]["hours"] <= 18.25 and 471 <= b200[0]["cost"] <= 492
+    assert b200[1]["hours"] == b200[0]["hours"] / 2 and round(b200[1]["cost"], 6) == round(b200[0]["cost"], 6)
+    rtx = plan["generation"]["rtxpro6000"]["forecast"][0]
+    assert round(rtx["hours"] / 24, 1) == 16.5 and rtx["cost"] is None
+    assert round(plan["sizes"]["completions_bytes"] / 1e9, 2) == 7.25
+    assert plan["jobs"]["generate"] == 1828 and plan["jobs"]["serve"] == 29  # 64 shards per started server
+    assert "not on this machine" in plan["sizes"]["hidden"] or "online" in plan["sizes"]["hidden"]
+
+
+def plan_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash.cli", "plan", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+
+
+def test_the_shipped_real_config_plans_the_story_on_both_node_kinds(tmp_path):
+    run = plan_cli("--config", str(ROOT / "config/qwen3.6-27b.yaml"), "--prompts", str(STORY_PROMPTS),
+                   "--output-tokens", str(STORY_TOKENS), "--json", str(tmp_path / "plan.json"), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    print(run.stdout)
+    assert "b200 x1 (8 GPUs, 28,571 tok/s from plan.profiles): generation 15.9 h, $492" in run.stdout
+    assert "rtxpro6000 x1 (4 GPUs, 1,150 tok/s from plan.profiles): generation 16.5 days" in run.stdout
+    assert json.loads((tmp_path / "plan.json").read_text())["output_tokens"] == STORY_TOKENS
+
+
+def test_a_plan_before_the_prompts_exist_counts_the_sources(tmp_path):
+    """No prompts stage has run (no results/): the sources are read and counted, held-out
+    conversations left out."""
+    cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
+    expected: dict[str, int] = {}
+    for source in cfg["prompts"]["sources"]:
+        source["path"] = str(ROOT / source["path"])
+        for line in Path(source["path"]).read_text().splitlines():
+            if line.strip() and '"split": "heldout"' not in line:
+                cat = json.loads(line)["category"]
+                expected[cat] = expected.get(cat, 0) + 1
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    run = plan_cli("--config", "config.yaml", "--output-tokens", "1e6", "--json", "p.json", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert plan["counted_from"] == "the sources, counted" and plan["prompts"] == sum(expected.values())
+    assert plan["categories"] == expected, (plan["categories"], expected)
+    missing = plan_cli("--config", "config.yaml", cwd=tmp_path)
+    assert missing.returncode == 1 and missing.stderr.strip().splitlines() == [
+        "dflash plan: no figure to forecast output tokens from: run the pilot (snakemake pilot), or give "
+        "plan.mean_output_tokens or --output-tokens"]
