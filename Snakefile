@@ -9,6 +9,7 @@ import yaml
 from snakemake.utils import min_version, validate
 
 from dflash.config import ConfigError, check_config, demo_sized_problem, schema_path
+from dflash.pilot import toggle_problem
 from dflash.storage import check_s3_prefix
 from dflash.workflow import (demo_target_sources, layer_selection, prompt_check_settings, record_settings, shard_ids,
                              target_dir)
@@ -74,6 +75,8 @@ onstart:
 
 ONLINE = config["train"]["hidden_states"] == "online"
 PILOT = config["pilot"]["enabled"]
+if not STORED and (problem := toggle_problem(OUT, PILOT)):  # every shard would be generated again
+    raise ConfigError(problem)
 PLANNED = PILOT or bool(config["plan"]["mean_output_tokens"])  # something to forecast output tokens from
 LAUNCH = config["generate"]["server"]["launch"]  # null: no serve jobs, the server is the user's
 # Snakemake would quietly cut a job's claim to the machine's GPUs (--resources gpu=N, counted by

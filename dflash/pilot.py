@@ -21,14 +21,16 @@ def sample_prompts(prompts_dir: Path, share: float, min_per_category: int) -> tu
     """The pilot's prompts: of each (source, category) stratum of the training prompts,
     ``max(min_per_category, ceil(share x size))`` of them (all, when it holds fewer), the ones
     with the lowest ids: ids are content hashes, so this is a fixed pick that favours nothing.
-    Returns the prompts (in shard order) and the strata with their sizes. Two passes over the
-    shards, the first keeping ids only: a real run's prompts do not fit in memory twice."""
+    Adopted generations (``chat_completions`` sources) are left out: nothing is generated for
+    them. Returns the prompts (in shard order) and the strata with their sizes. Two passes over
+    the shards, the first keeping ids only: a real run's prompts do not fit in memory twice."""
     prompts_dir = Path(prompts_dir)
     shards = [prompts_dir / s["name"] for s in read_json(prompts_dir / "manifest.json")["shards"]]
     strata: dict[tuple[str, str], list[str]] = defaultdict(list)
     for shard in shards:
         for rec in iter_jsonl(shard):
-            strata[rec["source"], rec["category"]].append(rec["id"])
+            if "imported" not in rec.get("meta", {}):
+                strata[rec["source"], rec["category"]].append(rec["id"])
     chosen: set[str] = set()
     table = []
     for (source, category), ids in sorted(strata.items()):
@@ -40,16 +42,34 @@ def sample_prompts(prompts_dir: Path, share: float, min_per_category: int) -> tu
 
 
 def write_pilot_prompts(prompts_dir: Path, prompts_out: Path, selection_out: Path, cfg: dict) -> list[dict]:
-    """The pilot's prompts and its strata; none when ``cfg["enabled"]`` is false (the files stay:
-    every generate job reads them)."""
     picked, table = sample_prompts(prompts_dir, cfg["share"], cfg["min_per_category"])
-    if not cfg["enabled"]:
-        picked, table = [], [{**t, "sampled": 0} for t in table]
     write_jsonl_zst(prompts_out, picked)
     write_json(selection_out, {"share": cfg["share"], "min_per_category": cfg["min_per_category"], "strata": table})
     log.info("pilot: %d prompts from %d strata (%s)", len(picked), len(table),
              ", ".join(f"{t['source']}/{t['category']} {t['sampled']} of {t['prompts']}" for t in table))
     return table
+
+
+def toggle_problem(output_dir: str | Path, enabled: bool) -> str | None:
+    """Why ``pilot.enabled`` may not be what it is: the pilot was made (or skipped) the other way
+    and generate jobs finished with it, so Snakemake would re-run every one of them; None if fine."""
+    made = Path(output_dir) / "pilot" / "generate.json"
+    if not made.exists():
+        return None
+    skipped = bool(read_json(made).get("skipped"))
+    finished = len(list((Path(output_dir) / "completions").glob("shard-*.summary.json")))
+    if skipped != enabled or not finished:
+        return None
+    return (f"pilot.enabled is {str(enabled).lower()}, but this run's pilot was {'skipped' if skipped else 'made'} and "
+            f"{finished} generate job(s) finished after it: the change would re-run every one of them. Set "
+            f"pilot.enabled back to {str(not enabled).lower()} (or delete {made.parent} to accept the re-run)")
+
+
+def write_skipped_pilot(completions: Path, summary: Path) -> None:
+    """A pilot that did not run (pilot.enabled false): no records, nothing measured."""
+    write_jsonl_zst(completions, [])
+    write_json(summary, {"shard": "pilot", "prompts": 0, "records": 0, "requests": 0, "output_tokens": 0,
+                         "seconds": 0.0, "skipped": True})
 
 
 def _rank(ordered: list[int], q: float) -> int:

@@ -76,6 +76,7 @@ def forecast(config: dict, counts: dict, pilot: dict | None = None, output_token
     and jobs per rule. ``output_tokens``: the user's own total, instead of the pilot's."""
     prompts = counts["prompts"]
     spread = 0.0
+    pilot = pilot if pilot and pilot["records"] else None  # an empty pilot (turned off, or all adopted)
     if output_tokens is not None:
         tokens, tokens_from = float(output_tokens), "given"
     elif pilot:
@@ -159,6 +160,8 @@ def _duration(hours: float) -> str:
 
 def plan_lines(plan: dict) -> list[str]:
     """The plan for a terminal: one line per node kind and count, then sizes, training, jobs."""
+    if "error" in plan:
+        return [f"plan: {plan['error']}"]
     low, high = plan["output_tokens_range"]
     span = f" ({_count(low)} to {_count(high)})" if high > low else ""
     lines = [f"plan: {plan['prompts']:,} prompts (from {plan['counted_from']}), {_count(plan['output_tokens'])} output "

@@ -256,7 +256,7 @@ def _generation_html(g: dict | None, plan: dict | None) -> str:
     if not g:
         return ""
     forecast = ""
-    if plan and g["output_tokens"]:
+    if plan and "error" not in plan and g["output_tokens"]:
         forecast = (f" (forecast {plan['output_tokens']:,.0f} from {plan['output_tokens_from']}: "
                     f"{plan['output_tokens'] / g['output_tokens'] - 1:+.1%})")
     cost = f", {g['cost']:,.2f} $" if g["cost"] is not None else ""
@@ -272,7 +272,7 @@ def _plan_html(pilot: dict | None, plan: dict | None) -> str:
     from dflash.pilot import pilot_lines
     from dflash.plan import plan_lines
 
-    lines = (pilot_lines(pilot) if pilot else []) + (plan_lines(plan) if plan else [])
+    lines = (pilot_lines(pilot) if pilot and pilot["records"] else []) + (plan_lines(plan) if plan else [])
     return (f"<h2>Pilot and plan</h2><p>What the pilot measured before the full generation, and the forecast "
             f"from it (results/pilot/summary.json, results/plan.json).</p><pre>{html.escape(chr(10).join(lines))}</pre>"
             if lines else "")

@@ -2,12 +2,12 @@
 # validate and tokenize with the run's own settings, before the full generation. The stage rules
 # are reused as they are, on the pilot's files.
 
-
 rule pilot_prompts:
     """The sample: of each source and category, share x its prompts, at least min_per_category.
-    The pilot section is read by the script, not a param: resizing or turning off a pilot that
-    ran re-runs nothing (every generate job takes the pilot's records); --forcerun pilot_prompts
-    makes it again, and every generate job after it."""
+    The pilot section is read by the script, not a param: resizing a pilot that ran re-runs
+    nothing (every generate job takes the pilot's records); --forcerun pilot_prompts makes it
+    again, and every generate job after it. Turning it off or on once generate jobs finished is
+    refused before the plan (dflash.pilot.toggle_problem)."""
     input:
         f"{OUT}/prompts",
     output:
@@ -21,20 +21,40 @@ rule pilot_prompts:
         "../scripts/pilot_prompts.py"
 
 
-use rule generate as pilot_generate with:
-    input:
-        prompts=f"{OUT}/pilot/prompts.jsonl.zst",
-        target=TARGET_INPUT,
-        server=f"{OUT}/servers/pilot.json" if LAUNCH and PILOT else [],  # no server for an empty pilot
-    output:
-        completions=f"{OUT}/pilot/completions.jsonl.zst",
-        summary=f"{OUT}/pilot/generate.json",
-    group:
-        "pilot" if LAUNCH else None
-    log:
-        f"{LOGS}/pilot/generate.log",
-    benchmark:
-        f"{BENCH}/pilot/generate.tsv"
+if PILOT:
+
+    use rule generate as pilot_generate with:
+        input:
+            prompts=f"{OUT}/pilot/prompts.jsonl.zst",
+            target=TARGET_INPUT,
+            server=f"{OUT}/servers/pilot.json" if LAUNCH else [],
+        output:
+            completions=f"{OUT}/pilot/completions.jsonl.zst",
+            summary=f"{OUT}/pilot/generate.json",
+        group:
+            "pilot" if LAUNCH else None
+        log:
+            f"{LOGS}/pilot/generate.log",
+        benchmark:
+            f"{BENCH}/pilot/generate.tsv"
+
+else:
+
+    localrules:
+        pilot_skipped,
+
+    rule pilot_skipped:
+        """pilot.enabled false: the pilot's files written empty, where snakemake runs (every
+        generate job reads them)."""
+        output:
+            completions=f"{OUT}/pilot/completions.jsonl.zst",
+            summary=f"{OUT}/pilot/generate.json",
+        log:
+            f"{LOGS}/pilot/generate.log",
+        conda:
+            "../envs/torch.yaml"
+        script:
+            "../scripts/pilot_skipped.py"
 
 
 use rule validate as pilot_validate with:
@@ -46,7 +66,9 @@ use rule validate as pilot_validate with:
         qa=f"{OUT}/pilot/qa.json",
     params:
         validate={k: v for k, v in config["validate"].items() if k != "exclude"},
-        excluded=lambda wildcards: read_exclusions(config["validate"]["exclude"]),
+        # none: the pilot measures what the model writes; hand-made exclusions come later, and adding
+        # ids re-runs only the validate jobs of the shards holding them
+        excluded={},
     log:
         f"{LOGS}/pilot/validate.log",
     benchmark:

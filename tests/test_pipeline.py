@@ -101,6 +101,18 @@ def test_the_pilot_ran_first_and_no_prompt_is_generated_twice(pipeline):
     assert "Pilot and plan" in (res / "report" / "summary.html").read_text()
 
 
+def test_turning_the_pilot_off_after_generation_is_refused(pipeline):
+    """Every generate job read the pilot's files: another pilot would re-run them all."""
+    work, _ = pipeline
+    config = yaml.safe_load((work / "config.yaml").read_text())
+    config["pilot"]["enabled"] = False
+    other = work / "no-pilot.yaml"
+    other.write_text(yaml.safe_dump(config))
+    out = snakemake(work, "-n", "--configfile", str(other), check=False)
+    assert ("pilot.enabled is false, but this run's pilot was made and 3 generate job(s) finished after it: the "
+            "change would re-run every one of them. Set pilot.enabled back to true") in out, out[-2000:]
+
+
 def test_second_run_has_nothing_to_do(pipeline):
     work, _ = pipeline
     assert "Nothing to be done" in snakemake(work, "--cores", "2")

@@ -122,10 +122,12 @@ def test_server_dies_with_a_killed_launcher(tmp_path):
     assert gone(pid) and not listening(port)
 
 
-def test_plan_has_one_server_per_block_of_shards_and_needs_no_cores(tmp_path, demo_sources):
+def test_plan_has_one_server_per_block_of_shards_and_needs_no_cores(tmp_path, demo_sources, target_dir):
+    """Two servers for four shards, and the pilot's own server in a group of its own."""
     sources = demo_slice(demo_sources, tmp_path, train=4, heldout=1)  # 4 shards of 4
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
     cfg["prompts"] = {"shard_size": 4, "sources": sources}
+    cfg["target"]["path"] = str(target_dir)
     cfg["generate"] = {"backend": "openai", "server": {
         "dialect": "sglang", "launch": {"command": "python -m sglang.launch_server --model-path {model}",
                                         "shards_per_server": 2, "gpus": 8}}}
@@ -136,13 +138,13 @@ def test_plan_has_one_server_per_block_of_shards_and_needs_no_cores(tmp_path, de
     plan = snakemake(tmp_path, "-n", *[f"results/completions/shard-{s}.jsonl.zst" for s in shards])
     jobs = [block for block in re.split(r"\n(?=\s*\[)", plan) if "rule serve:" in block or "rule generate:" in block]
     serves = sorted(re.search(r"output: (\S+) \(service\)", b).group(1) for b in jobs if "rule serve:" in b)
-    assert serves == ["results/servers/0.json", "results/servers/1.json"]
+    assert serves == ["results/servers/0.json", "results/servers/1.json", "results/servers/pilot.json"]
     assert all("gpu=8" in b for b in jobs if "rule serve:" in b)
     generates = {re.search(r"shard=(\d{5})", b).group(1): b for b in jobs if "rule generate:" in b}
     assert sorted(generates) == shards
     for shard, block in generates.items():
         assert f"results/servers/{int(shard) // 2}.json" in block and "gpu=0" in block and "threads: 0" in block
-    assert plan.count("Group job generate") == 2
+    assert plan.count("Group job generate") == 2 and plan.count("Group job pilot") == 1, plan[-3000:]
 
 
 def test_jobs_waiting_on_a_killed_launcher_fail_and_its_server_dies(tmp_path):

@@ -1,0 +1,7 @@
+from dflash.workflow import start_job
+
+start_job(snakemake)
+
+from dflash.pilot import write_skipped_pilot  # noqa: E402
+
+write_skipped_pilot(snakemake.output.completions, snakemake.output.summary)
