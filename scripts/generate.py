@@ -13,8 +13,11 @@ if i.server:  # generate.server.launch: this group's serve job is starting the s
     cfg = use_started_server(cfg, i.server)
 pilot = i.get("pilot") or None  # none: this is the pilot's own job
 annotate = None
-if pilot:
+budget = config["generate"]["budget"]
+if pilot and (budget["max_node_hours"] is not None or budget["max_cost"] is not None):
     # generate.budget: what the run has spent and will spend, from the finished jobs' summaries
+    # (read only under a budget: every job reading every summary grows with the square of the
+    # shards; without one, the report sums the spend once)
     finished, pilot_run = read_summaries(Path(out.summary).parent), read_beside(pilot, "generate.json")
     check_budget(config, finished, pilot_run, read_beside(i.prompts, "manifest.json")["prompts"])
     measured = finished + ([pilot_run] if pilot_run else [])

@@ -66,11 +66,11 @@ def run(work: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_a_budget_stops_the_run_mid_way_and_a_raised_one_finishes_it(tmp_path, demo_sources, target_dir):
-    """The pilot and the first shard run without a limit; a budget of what they spent (plus 5%)
+    """The pilot and the first shard run under an hour's limit; a budget of what they spent (plus 5%)
     then starts no further generate job, naming spent, forecast and limit; finished shards stay,
     and a raised budget generates the rest without asking again for a finished prompt."""
     cfg = small_run_config(tmp_path, demo_sources, target_dir, train=3, heldout=1, shard_size=4, max_tokens=16,
-                           pilot={"min_per_category": 1})
+                           pilot={"min_per_category": 1}, budget={"max_node_hours": 1.0})
     shards = [f"results/completions/shard-0000{i}.jsonl.zst" for i in range(3)]
     first = run(tmp_path, shards[0])
     assert first.returncode == 0, first.stderr[-3000:]
