@@ -13,24 +13,40 @@ refuses (``template_error``), prompts too long to leave ``max_tokens`` within it
 (``too_long``), and content holding the template's control
 tokens (``special_tokens_in_content``: ``<|im_start|>system`` in a user turn would be encoded as a
 real turn boundary and forge a system turn).
+
+Memory does not grow with the records' size: records are screened in batches and spilled to a
+temp file in the output's temp folder; memory keeps a few hundred bytes per record (a content
+hash for the dedup, the id, category and split for the stratification) and one bucket of the spill
+at a time while the shards are written (``build_prompts``).
 """
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import re
-from collections import Counter
+from array import array
+from collections import Counter, defaultdict
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
+import zstandard
+
 from dflash.chat import rebuild_text, render, template_message
-from dflash.io import atomic_dir, iter_jsonl, local_copy, shard_name, write_json, write_jsonl_zst
+from dflash.io import atomic_dir, dumps_line, iter_jsonl, jsonl_zst_writer, local_copy, shard_name, write_json
 from dflash.workflow import notice
 
 log = logging.getLogger(__name__)
 
 CATEGORIES = ("chat", "code", "reasoning", "tool", "other")
+SORTED_CATEGORIES = tuple(sorted(CATEGORIES))  # codes that sort as the names: stratification breaks ties on them
+CATEGORY_CODE = {c: i for i, c in enumerate(SORTED_CATEGORIES)}
+SCREEN_BATCH = 256  # records read and not yet screened: what the records themselves hold of memory
+BUCKET_BYTES = 32 << 20  # kept records put in shard order at once
+MAX_BUCKETS = 512  # files open at once while the spill is dealt into buckets (past 16 GB, buckets grow)
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool", "function_response": "tool"}
@@ -41,10 +57,11 @@ def stable_id(source: str, messages: list[dict], tools: list | None) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
 
-def content_key(messages: list[dict], tools: list | None, extra: list | dict | None = None) -> str:
-    """Duplicate key: the conversation, plus the replay or the imported answer that makes it a record."""
+def content_key(messages: list[dict], tools: list | None, extra: list | dict | None = None) -> bytes:
+    """Duplicate key: the conversation, plus the replay or the imported answer that makes it a
+    record; a raw digest, as one is kept in memory for every record read."""
     blob = json.dumps({"messages": messages, "tools": tools, "replay": extra}, sort_keys=True, ensure_ascii=False)
-    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+    return hashlib.sha256(blob.encode("utf-8")).digest()
 
 
 def _calls_tools(messages: list[dict], i: int) -> bool:
@@ -229,19 +246,19 @@ def _records_of(path: Path, shown: str, fmt: str, name: str, source: dict) -> It
             }
 
 
-def stratify(records: list[dict], shard_size: int) -> list[list[dict]]:
-    """Split into shards of ``shard_size`` where every shard mixes categories in proportion.
+def stratified_order(ids: np.ndarray, categories: np.ndarray) -> np.ndarray:
+    """Indices of the records in shard order, where contiguous chunks mix categories in proportion.
 
-    Each category's records (in id order) are spread evenly over [0, 1); sorting on that position
-    interleaves the categories, so contiguous chunks carry each category's share.
+    Each category's records (in id order, ties in input order) are spread evenly over [0, 1);
+    sorting on that position, then on the category, interleaves the categories. ``categories``
+    must sort as the category names do (the names, or codes into ``SORTED_CATEGORIES``).
     """
-    by_cat: dict[str, list[dict]] = {}
-    for rec in sorted(records, key=lambda r: r["id"]):
-        by_cat.setdefault(rec["category"], []).append(rec)
-    keyed = [((j + 0.5) / len(recs), cat, rec["id"], rec)
-             for cat, recs in by_cat.items() for j, rec in enumerate(recs)]
-    ordered = [k[-1] for k in sorted(keyed, key=lambda k: k[:3])]
-    return [ordered[i:i + shard_size] for i in range(0, len(ordered), shard_size)]
+    by_id = np.argsort(ids, kind="stable")
+    position = np.empty(len(ids))
+    for category in np.unique(categories):
+        members = by_id[categories[by_id] == category]
+        position[members] = (np.arange(len(members)) + 0.5) / len(members)
+    return np.lexsort((categories, position))
 
 
 SPECIAL_TOKEN_ACTIONS = ("drop", "keep", "flag")
@@ -339,49 +356,135 @@ def prompt_checks(target_dir: str | Path, settings: dict) -> PromptChecks:
                         settings["special_tokens"])
 
 
-def build_prompts(sources: list[dict], out_dir: Path, shard_size: int, checks: PromptChecks | None = None) -> dict:
-    """Read, dedup, screen (with ``checks``) and shard all sources into ``out_dir``; returns the
-    manifest, which counts per source the records read, kept, dropped and flagged."""
-    seen: set[str] = set()
-    records = []
-    tally: dict[str, dict] = {}
+class _Kept:
+    """What stays in memory of the records kept, in read order: id, category and split, for the
+    stratification and the manifest. The records themselves go to the spill file as their lines."""
+
+    def __init__(self, write):
+        self.write, self.bytes = write, 0
+        self.ids, self.categories, self.heldout = array("Q"), bytearray(), bytearray()
+        self.train_categories, self.heldout_categories = Counter(), Counter()
+
+    def add(self, rec: dict) -> None:
+        line = dumps_line(rec)
+        self.write(line)
+        self.bytes += len(line)
+        self.ids.append(int(rec["id"], 16))  # stable_id: 16 hex digits, whose numbers sort as the strings do
+        self.categories.append(CATEGORY_CODE[rec["category"]])
+        heldout = rec["meta"]["split"] == "heldout"
+        self.heldout.append(heldout)
+        (self.heldout_categories if heldout else self.train_categories)[rec["category"]] += 1
+
+
+def _read_sources(sources: list[dict], checks: PromptChecks | None, kept: _Kept) -> dict[str, dict]:
+    """Read, dedup and screen every source into ``kept``, ``SCREEN_BATCH`` records at a time;
+    returns the counts per source name, read, dropped and flagged."""
+    seen: set[bytes] = set()
+    reads: dict[str, dict] = {}
+    # All of a name's screening counts go to its last source's tally, as when screening followed all reading.
+    screened: dict[str, dict] = defaultdict(lambda: {"dropped": Counter(), "flagged": Counter()})
+    batch: list[dict] = []
+
+    def screen_batch():
+        for rec in checks.screen(batch, screened) if checks is not None else batch:
+            kept.add(rec)
+        batch.clear()
+
     for source in sources:
-        counts = tally[source["name"]] = {"records": 0, "dropped": Counter(), "flagged": Counter()}
+        counts = reads[source["name"]] = {"records": 0, "duplicate": 0}
         for rec in read_source(source):
             counts["records"] += 1
             key = content_key(rec["messages"], rec["tools"], rec["meta"].get("replay") or rec["meta"].get("imported", {}).get("message"))
             if key in seen:
-                counts["dropped"]["duplicate"] += 1
+                counts["duplicate"] += 1
                 continue
             seen.add(key)
-            records.append(rec)
+            batch.append(rec)
+            if len(batch) == SCREEN_BATCH:
+                screen_batch()
         if not counts["records"]:
             notice(log, f"prompt source {source['name']!r} ({source['path']}) holds no records")
-    if checks is not None:
-        records = checks.screen(records, tally)
-    train = [r for r in records if r["meta"]["split"] != "heldout"]
-    heldout = [r for r in records if r["meta"]["split"] == "heldout"]
-    dropped = sum((c["dropped"] for c in tally.values()), Counter())
-    if not train:
-        raise ValueError("no training prompts in the configured sources"
-                         + (f" (dropped: {', '.join(f'{k} {n}' for k, n in dropped.items())})" if dropped else ""))
-    shards = stratify(train, shard_size)
+    screen_batch()
+    tally = {}
+    for name, counts in reads.items():
+        # Duplicates are found while reading, before any screening: they come first in the counts.
+        dropped = Counter({"duplicate": counts["duplicate"]} if counts["duplicate"] else {})
+        dropped.update(screened[name]["dropped"])
+        tally[name] = {"records": counts["records"], "dropped": dropped, "flagged": screened[name]["flagged"]}
+    return tally
+
+
+def _spilled_in_order(spill: Path, order: np.ndarray, spilled_bytes: int) -> Iterator[bytes]:
+    """The lines of ``spill`` (a zstd JSONL file) in ``order`` (line numbers from 0), with one
+    bucket of about ``BUCKET_BYTES`` in memory: a sequential pass deals each line into the bucket
+    of its place; then each bucket is read back whole and put in order. Every read and write is
+    sequential: the output folder may be on a network file system."""
+    place = np.empty(len(order), dtype=np.int64)
+    place[order] = np.arange(len(order))
+    buckets = min(MAX_BUCKETS, max(1, -(-spilled_bytes // BUCKET_BYTES)))
+    bucket_of = place // max(1, -(-len(order) // buckets))
+    paths = [spill.with_name(f".bucket-{b:03d}") for b in range(buckets)]
+    with ExitStack() as stack:
+        files = [stack.enter_context(open(path, "wb", buffering=1 << 16)) for path in paths]
+        # zstandard's reader, not dflash.io's: it returns a bounded size however well the lines compress
+        with open(spill, "rb") as raw, zstandard.ZstdDecompressor().stream_reader(raw) as reader:
+            for line, b in zip(io.BufferedReader(reader, 1 << 20), bucket_of.tolist()):
+                files[b].write(line)
+    spill.unlink()
+    for b, path in enumerate(paths):
+        with open(path, "rb") as f:
+            lines = f.readlines()
+        path.unlink()
+        for k in np.argsort(place[bucket_of == b]).tolist():
+            yield lines[k]
+        del lines  # before the next bucket is read: one bucket in memory at a time
+
+
+def build_prompts(sources: list[dict], out_dir: str | Path, shard_size: int, checks: PromptChecks | None = None) -> dict:
+    """Read, dedup, screen (with ``checks``) and shard all sources into ``out_dir``; returns the
+    manifest, which counts per source the records read, kept, dropped and flagged.
+
+    The records are streamed: each kept record is written to a spill file as soon as it is
+    screened, and memory holds only a content hash per record read (the dedup) and the id,
+    category and split of each record kept (the stratification), not the records.
+    """
     with atomic_dir(out_dir) as tmp:
+        spill = tmp / ".spill.jsonl.zst"
+        with jsonl_zst_writer(spill, level=1) as write:
+            kept = _Kept(write)
+            tally = _read_sources(sources, checks, kept)
+        dropped = sum((c["dropped"] for c in tally.values()), Counter())
+        ids, categories = np.frombuffer(kept.ids, dtype=np.uint64), np.frombuffer(kept.categories, dtype=np.uint8)
+        heldout = np.frombuffer(kept.heldout, dtype=np.uint8).astype(bool)
+        train, held = np.flatnonzero(~heldout), np.flatnonzero(heldout)
+        if not len(train):
+            raise ValueError("no training prompts in the configured sources"
+                             + (f" (dropped: {', '.join(f'{k} {n}' for k, n in dropped.items())})" if dropped else ""))
+        train = train[stratified_order(ids[train], categories[train])]
+        held = held[np.argsort(ids[held], kind="stable")]
+        shards = [train[i:i + shard_size] for i in range(0, len(train), shard_size)]
+        lines = _spilled_in_order(spill, np.concatenate([train, held]), kept.bytes)
         for i, shard in enumerate(shards):
-            write_jsonl_zst(tmp / shard_name(i), shard)
-        write_jsonl_zst(tmp / "heldout.jsonl.zst", sorted(heldout, key=lambda r: r["id"]))
+            with jsonl_zst_writer(tmp / shard_name(i)) as write:
+                for _ in range(len(shard)):
+                    write(next(lines))
+        with jsonl_zst_writer(tmp / "heldout.jsonl.zst") as write:
+            for line in lines:
+                write(line)
         # Which shard holds an id, known without reading the shards: exclusion lists map to jobs.
-        (tmp / "ids.tsv").write_text("".join(f"{r['id']}\t{i:05d}\n" for i, s in enumerate(shards) for r in s),
-                                     encoding="utf-8")
+        with open(tmp / "ids.tsv", "w", encoding="utf-8") as f:
+            for i, shard in enumerate(shards):
+                f.write("".join(f"{id_:016x}\t{i:05d}\n" for id_ in ids[shard].tolist()))
         manifest = {
             "shards": [
-                {"name": shard_name(i), "records": len(s), "categories": dict(Counter(r["category"] for r in s))}
+                {"name": shard_name(i), "records": len(s),
+                 "categories": dict(Counter(SORTED_CATEGORIES[c] for c in categories[s].tolist()))}
                 for i, s in enumerate(shards)
             ],
             "prompts": len(train),
-            "heldout": len(heldout),
-            "categories": dict(Counter(r["category"] for r in train)),
-            "heldout_categories": dict(Counter(r["category"] for r in heldout)),
+            "heldout": len(held),
+            "categories": dict(kept.train_categories),
+            "heldout_categories": dict(kept.heldout_categories),
             "dropped": dict(dropped),
             "sources": {name: {"records": c["records"], "kept": c["records"] - sum(c["dropped"].values()),
                                "dropped": dict(c["dropped"]), "flagged": dict(c["flagged"])}
@@ -389,5 +492,5 @@ def build_prompts(sources: list[dict], out_dir: Path, shard_size: int, checks: P
         }
         write_json(tmp / "manifest.json", manifest)
     log.info("prompts: %d training prompts in %d shards, %d held out, dropped %s",
-             len(train), len(shards), len(heldout), manifest["dropped"] or "none")
+             len(train), len(shards), len(held), manifest["dropped"] or "none")
     return manifest

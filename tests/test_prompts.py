@@ -1,12 +1,21 @@
+import hashlib
 import json
+import os
+import random
 import re
+import subprocess
+import sys
+import textwrap
 from collections import Counter
+from pathlib import Path
 
+import numpy as np
 import pytest
 from jsonschema import Draft202012Validator
 
-from dflash.io import iter_jsonl, read_json, read_jsonl
-from dflash.prompts import build_prompts, read_source, stratify
+import dflash.prompts
+from dflash.io import iter_jsonl, read_json, read_jsonl, write_jsonl_zst
+from dflash.prompts import build_prompts, read_source, stratified_order
 from dflash.records import record_errors
 
 
@@ -101,9 +110,14 @@ def test_sharegpt_and_alpaca_sources(tmp_path):
 
 
 def test_stratify_mixes_small_categories():
-    recs = [{"id": f"{i:04d}", "category": "tool" if i % 4 == 0 else "chat"} for i in range(40)]
-    shards = stratify(recs, 10)
-    assert sorted(Counter(r["category"] for r in s)["tool"] for s in shards) == [2, 2, 3, 3]
+    ids = np.array([f"{i:04d}" for i in range(40)])
+    categories = np.array(["tool" if i % 4 == 0 else "chat" for i in range(40)])
+    order = stratified_order(ids, categories)
+    assert sorted(Counter(categories[order[i:i + 10]])["tool"] for i in range(0, 40, 10)) == [2, 2, 3, 3]
+    # each category in id order; at equal positions the category names break the tie
+    assert list(ids[order][categories[order] == "tool"]) == sorted(ids[categories == "tool"])
+    two = stratified_order(np.array(["b", "a"]), np.array(["tool", "chat"]))
+    assert list(two) == [1, 0]
 
 
 def test_shipped_tool_calls_match_offered_schemas(demo_sources):
@@ -210,3 +224,170 @@ def test_a_conversation_the_template_refuses_is_dropped_naming_it(tmp_path, targ
     assert manifest["sources"]["a"]["dropped"] == {"template_error": 1}
     assert re.search(rf"prompt \w+ \({'a'}:2\): template_error: the chat template cannot render the conversation "
                      r"\(TemplateError: The system message must be the first message", caplog.text)
+
+
+# Streaming: the outputs below are the ones the stage wrote when it held every record in memory;
+# the streamed stage must write them byte for byte (no downstream job reruns).
+
+WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima",
+         "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey",
+         "xray", "yankee", "zulu"]
+
+
+def words(seed: int, n: int) -> str:
+    return f"#{seed} " + " ".join(WORDS[(seed * 7 + k * k * 13 + k) % len(WORDS)] for k in range(n))
+
+
+def jsonl(path: Path, lines: list[dict]) -> str:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return str(path)
+
+
+TOOL = {"type": "function", "function": {"name": "lookup", "description": "Look a word up.",
+                                         "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
+
+
+def mixed_record(i: int) -> dict:
+    """An OpenAI-format record: categories from the record (or none), tool conversations with and
+    without results to replay, held-out ones, and some the target must refuse."""
+    category = ("reasoning", "tool", "other", None)[i % 4]
+    messages = [{"role": "user", "content": words(1000 + i, 5 + i % 11)}]
+    if i % 23 == 1:
+        messages = [{"role": "user", "content": words(1000 + i, 9000)}]  # too_long: a token per word at least
+    elif i % 29 == 2:
+        messages = messages + [{"role": "system", "content": "late"}]  # template_error
+    elif i % 31 == 3:
+        messages = [{"role": "user", "content": FORGED}]  # special_tokens_in_content
+    rec = {"messages": messages + [{"role": "assistant", "content": "reference answer"}]}
+    if category == "tool":
+        rec["tools"] = [TOOL]
+        if i % 8 == 1:
+            call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+                "name": "lookup", "arguments": {"q": WORDS[i % 26]}}}]}
+            rec["messages"] = messages + [call, {"role": "tool", "content": words(i, 3)},
+                                          {"role": "assistant", "content": "done"}]
+    if category:
+        rec["category"] = category
+    if i % 9 == 0:
+        rec["split"] = "heldout"
+    return rec
+
+
+def exchange(i: int, answers: list[str]) -> dict:
+    """A logged SGLang chat completion with one choice per answer."""
+    return {"request": {"messages": [{"role": "user", "content": words(2000 + i, 6)}], "temperature": 0.6,
+                        "max_tokens": 512},
+            "response": {"model": "m", "usage": {"prompt_tokens": 9, "completion_tokens": 4}, "choices": [
+                {"index": k, "finish_reason": "stop", "matched_stop": 1,
+                 "message": {"role": "assistant", "content": f"\n\n{a}", "reasoning_content": "Think.\n"}}
+                for k, a in enumerate(answers)]},
+            **({"split": "heldout"} if i % 7 == 0 else {})}
+
+
+def synthetic_sources(folder: Path) -> list[dict]:
+    """Several sources of every format and category, with duplicates within and across sources,
+    imported generations (several answers to a prompt, some alike), and an empty source."""
+    sharegpt = [{"conversations": [{"from": "human", "value": words(i, 4 + i % 9)}, {"from": "gpt", "value": "ok"}]
+                 + ([{"from": "human", "value": words(i + 500, 3)}] if i % 3 == 0 else [])} for i in range(120)]
+    sharegpt += [sharegpt[i] for i in range(0, 120, 17)]
+    alpaca = [{"instruction": words(300 + i, 6), "input": words(i, 2) if i % 2 else "", "output": "x",
+               **({"system_prompt": "Be exact."} if i % 5 == 0 else {})} for i in range(80)]
+    alpaca += [alpaca[i] for i in range(3, 80, 13)]
+    mixed = [mixed_record(i) for i in range(150)]
+    # the ShareGPT prompts again, as OpenAI messages: duplicates across sources and formats
+    mixed += [{"messages": [{"role": "user", "content": sharegpt[i]["conversations"][0]["value"]}]} for i in (1, 2, 4)]
+    mixed += [mixed[i] for i in (5, 6, 7)]
+    logged = [exchange(i, ["It is so.", "It is not."] if i % 3 == 0 else ["Same."] * (1 + i % 2)) for i in range(30)]
+    logged += [logged[4]]
+    heldout = [{"messages": [{"role": "user", "content": words(700 + i, 7)}]} for i in range(20)]
+    return [
+        {"name": "sg", "path": jsonl(folder / "sg.jsonl", sharegpt), "format": "sharegpt", "category": "chat"},
+        {"name": "al", "path": jsonl(folder / "al.jsonl", alpaca), "format": "alpaca", "category": "code"},
+        {"name": "mixed", "path": jsonl(folder / "mixed.jsonl", mixed), "format": "openai"},
+        {"name": "empty", "path": jsonl(folder / "empty.jsonl", []), "format": "openai", "category": "chat"},
+        {"name": "logged", "path": jsonl(folder / "logged.jsonl", logged), "format": "chat_completions",
+         "category": "reasoning"},
+        {"name": "held", "path": jsonl(folder / "held.jsonl", heldout), "format": "openai", "category": "chat",
+         "split": "heldout"},
+    ]
+
+
+def output_digest(folder: Path) -> str:
+    """sha256 over every output file's name and content (decompressed: the zstd library's version
+    may change the compressed bytes, not what the shards hold)."""
+    h = hashlib.sha256()
+    for path in sorted(folder.iterdir()):
+        data = path.read_bytes() if path.suffix != ".zst" else b"".join(json.dumps(r, ensure_ascii=False).encode()
+                                                                         + b"\n" for r in iter_jsonl(path))
+        h.update(path.name.encode() + b"\0" + hashlib.sha256(data).digest())
+    return h.hexdigest()
+
+
+DEMO_DIGEST = "91b86e8da2c4eab60114f9dfc765495095c7484bb714bb82848a28fddfe8a52a"  # `built`: the demo, shards of 50
+SYNTHETIC_DIGEST = {"drop": "f351ac87560e3336c9761beffef4d3718d9ded065c328d39d032c027eecfbec1",
+                    "flag": "6eefa00fadb81bd447de9232d14d2156030134c235c8d606784c42953991774e"}
+
+
+def test_demo_shards_are_the_fixed_ones(built):
+    out, _ = built
+    assert output_digest(out) == DEMO_DIGEST
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith("shard-")) == \
+        ["heldout.jsonl.zst", "ids.tsv", "manifest.json"]  # no spill or bucket left behind
+
+
+@pytest.mark.parametrize("action", ["drop", "flag"])
+@pytest.mark.parametrize("batch,bucket_bytes", [(256, 32 << 20), (3, 2000)])
+def test_synthetic_shards_are_the_fixed_ones_however_streamed(tmp_path, target, monkeypatch, action, batch,
+                                                               bucket_bytes):
+    """Screening batches and spill buckets small enough to cut through every source, shard and
+    category change nothing of the output."""
+    monkeypatch.setattr(dflash.prompts, "SCREEN_BATCH", batch)
+    monkeypatch.setattr(dflash.prompts, "BUCKET_BYTES", bucket_bytes)
+    manifest = build_prompts(synthetic_sources(tmp_path), tmp_path / "p", 7,
+                             checks(target, context_length=8192, special_tokens=action))
+    assert output_digest(tmp_path / "p") == SYNTHETIC_DIGEST[action]
+    special = {"special_tokens_in_content": 2}
+    assert manifest["sources"]["mixed"] == {
+        "records": 156, "kept": 134 if action == "flag" else 132,
+        "dropped": {"duplicate": 9, "too_long": 7, "template_error": 6, **(special if action == "drop" else {})},
+        "flagged": special if action == "flag" else {}}
+    assert manifest["sources"]["logged"] == {"records": 51, "kept": 40, "dropped": {"duplicate": 11}, "flagged": {}}
+    assert manifest["heldout"] == 44 and manifest["heldout_categories"]["chat"] == 20
+    assert len(manifest["shards"]) == 50
+
+
+# The child runs the stage on a generated source and prints its sizes; the parent reads the
+# child's peak RSS from wait4.
+MEMORY_CHILD = textwrap.dedent("""
+    import json, sys
+    import dflash.prompts
+    from transformers import AutoTokenizer
+    from dflash.prompts import PromptChecks, build_prompts
+    dflash.prompts.BUCKET_BYTES = 1 << 20  # the stage's 32 MB, scaled down with the input
+    checks = PromptChecks(AutoTokenizer.from_pretrained(sys.argv[3]), 32768, 256, True)
+    m = build_prompts([{"name": "s", "path": sys.argv[1], "category": "chat"}], sys.argv[2], 500, checks)
+    print(json.dumps({"prompts": m["prompts"]}))
+""")
+
+
+def peak_rss(args: list[str]) -> tuple[int, str]:
+    """(peak RSS in bytes, stdout) of a child process."""
+    child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    out = child.stdout.read()
+    _, status, usage = os.wait4(child.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return usage.ru_maxrss * 1024, out
+
+
+def test_memory_does_not_grow_with_the_records(tmp_path, target_dir):
+    """The stage's peak memory on 5,000 and 30,000 prompts of ~2.6 kB: the extra 25,000 (65 MB of
+    records, which cost ~3.9 kB each when the stage held them) may cost only their keys (~350 bytes
+    measured: the dedup hash, id, category, split)."""
+    rng, rss = random.Random(0), {}
+    for n in (5_000, 30_000):
+        src = tmp_path / f"{n}.jsonl.zst"
+        write_jsonl_zst(src, ({"messages": [{"role": "user", "content": " ".join(rng.choices(WORDS, k=400))}]}
+                              for _ in range(n)))
+        rss[n], out = peak_rss([sys.executable, "-c", MEMORY_CHILD, str(src), str(tmp_path / f"p{n}"), str(target_dir)])
+        assert json.loads(out) == {"prompts": n}
+    assert (rss[30_000] - rss[5_000]) / 25_000 < 1000, rss
