@@ -5,7 +5,6 @@ of plan.profiles that generate.budget.profile names.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from dflash.io import read_json
@@ -88,38 +87,15 @@ def check_budget(config: dict, finished: list[dict], pilot: dict | None, prompts
 def read_summaries(folder: Path) -> list[dict]:
     """The summaries of the finished generate jobs in a completions folder: here, or in the
     storage when the folder is Snakemake's local copy of a stored one."""
-    from dflash.storage import s3_client, storage_url
+    from dflash.storage import stored_json
 
-    local = sorted(Path(folder).glob("shard-*.summary.json"))
-    url = storage_url(Path(folder) / "x")
-    if not url:
-        return [read_json(p) for p in local]
-    from concurrent.futures import ThreadPoolExecutor
-
-    client = s3_client()
-    bucket, _, key = url.removeprefix("s3://").partition("/")
-    prefix = key[:-1]
-    keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "shard-")
-            for o in page.get("Contents", []) if o["Key"].endswith(".summary.json")]
-    with ThreadPoolExecutor(16) as pool:
-        return list(pool.map(lambda k: json.loads(client.get_object(Bucket=bucket, Key=k)["Body"].read()), keys))
+    stored = stored_json(folder, "shard-", ".summary.json")
+    return stored if stored is not None else [read_json(p) for p in sorted(Path(folder).glob("shard-*.summary.json"))]
 
 
 def read_beside(path: Path, name: str) -> dict | None:
     """The JSON file ``name`` in the folder of ``path``: here, or fetched from the storage when the
     folder is Snakemake's local copy of a stored one; None when it is in neither."""
-    from dflash.storage import s3_client, storage_url
+    from dflash.storage import read_json_here_or_stored
 
-    beside = Path(path).parent / name
-    if beside.exists():
-        return read_json(beside)
-    url = storage_url(beside)
-    if not url:
-        return None
-    bucket, _, key = url.removeprefix("s3://").partition("/")
-    try:
-        return json.loads(s3_client().get_object(Bucket=bucket, Key=key)["Body"].read())
-    except Exception as e:
-        if "NoSuchKey" in type(e).__name__ or "NoSuchKey" in str(e):
-            return None
-        raise
+    return read_json_here_or_stored(Path(path).parent / name)

@@ -301,7 +301,7 @@ def local_copy(path: str | os.PathLike) -> Iterator[Path]:
         return
     import boto3
 
-    bucket, _, key = str(path).removeprefix("s3://").partition("/")
+    bucket, key = split_s3(path)
     with tempfile.TemporaryDirectory(prefix="dflash-s3-") as tmp:
         local = Path(tmp) / Path(key).name
         try:
@@ -312,6 +312,19 @@ def local_copy(path: str | os.PathLike) -> Iterator[Path]:
                 raise
             raise (FileNotFoundError if "no such object" in problem else ValueError)(problem) from None
         yield local
+
+
+def split_s3(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/key/`` -> ``("bucket", "some/key")`` (no trailing slash)."""
+    bucket, _, key = str(url).removeprefix("s3://").rstrip("/").partition("/")
+    return bucket, key
+
+
+def s3_missing(error: BaseException) -> bool:
+    """Whether ``error`` says the object is not there (as opposed to a failure to ask)."""
+    from botocore.exceptions import ClientError
+
+    return isinstance(error, ClientError) and str(error.response.get("Error", {}).get("Code")) in ("404", "NoSuchKey")
 
 
 # The IAM permission each S3 call the pipeline makes needs (an access-denied line names it).
@@ -326,7 +339,7 @@ def s3_problem(url: str, error: BaseException, endpoint: str | None = None) -> s
     when ``error`` is no S3 failure."""
     from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError, PartialCredentialsError
 
-    bucket = url.removeprefix("s3://").split("/")[0]
+    bucket = split_s3(url)[0]
     if isinstance(error, (NoCredentialsError, PartialCredentialsError)):
         return (f"{url}: no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE); "
                 f"for Snakemake's storage also SNAKEMAKE_STORAGE_S3_ACCESS_KEY and SNAKEMAKE_STORAGE_S3_SECRET_KEY")
@@ -339,7 +352,7 @@ def s3_problem(url: str, error: BaseException, endpoint: str | None = None) -> s
     code = str(error.response.get("Error", {}).get("Code"))
     if code in ("NoSuchBucket",) or (code == "404" and error.operation_name == "HeadBucket"):
         return f"{url}: no bucket {bucket!r} at this endpoint: create it or fix the URL"
-    if code in ("404", "NoSuchKey"):
+    if s3_missing(error):
         return f"{url}: no such object"
     if code in ("403", "AccessDenied", "AllAccessDisabled"):
         needed = S3_PERMISSION.get(error.operation_name)

@@ -2,12 +2,13 @@
 must read itself, outside a job, from where the outputs live."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from pathlib import Path
 
-from dflash.io import s3_problem
+from dflash.io import read_json, s3_missing, s3_problem, split_s3
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def check_s3_prefix(prefix: str, s3_resource, write: bool = False) -> str | None
     plugin's own client (its endpoint and keys), as one line; None when it can. Listing is what
     every plan needs; ``write`` (a run, not a dry run) also puts and deletes a small object, so
     credentials that may only read fail now, not at the upload after a paid-for job."""
-    bucket, _, base = prefix.removeprefix("s3://").rstrip("/").partition("/")
+    bucket, base = split_s3(prefix)
     client = s3_resource.meta.client
     probe = f"{base}/.dflash-write-check" if base else ".dflash-write-check"
     try:
@@ -69,6 +70,40 @@ def s3_client():
                         aws_session_token=env["token"])
 
 
+def read_json_here_or_stored(path: Path) -> dict | None:
+    """The JSON file ``path``: here, or fetched from the storage when ``path`` is in Snakemake's
+    local copy of a stored folder; None when it is in neither."""
+    path = Path(path)
+    if path.exists():
+        return read_json(path)
+    url = storage_url(path)
+    if not url:
+        return None
+    bucket, key = split_s3(url)
+    try:
+        return json.loads(s3_client().get_object(Bucket=bucket, Key=key)["Body"].read())
+    except Exception as e:
+        if s3_missing(e):
+            return None
+        raise ValueError(s3_problem(url, e) or f"{url}: {type(e).__name__}: {e}") from None
+
+
+def stored_json(folder: Path, prefix: str, suffix: str) -> list[dict] | None:
+    """Every JSON object named ``<prefix>*<suffix>`` in the storage beside Snakemake's local copy
+    ``folder`` (fetched 16 at a time); None when ``folder`` is not a stored one."""
+    url = storage_url(Path(folder) / prefix)
+    if not url:
+        return None
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = s3_client()
+    bucket, key = split_s3(url)
+    keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key)
+            for o in page.get("Contents", []) if o["Key"].endswith(suffix)]
+    with ThreadPoolExecutor(16) as pool:
+        return list(pool.map(lambda k: json.loads(client.get_object(Bucket=bucket, Key=k)["Body"].read()), keys))
+
+
 class PartialMirror:
     """A copy in the storage of a generate job's resume file (the partial JSONL), when its shard is
     a stored output: pushed every ``records`` finished records or ``seconds``, whichever first, so
@@ -81,21 +116,17 @@ class PartialMirror:
         self.unpushed, self.pushed_at = 0, time.time()
         if self.url:
             self.client = s3_client()
-            self.bucket, _, self.key = self.url.removeprefix("s3://").partition("/")
+            self.bucket, self.key = split_s3(self.url)
 
     def fetch(self) -> int:
         """Bring the stored resume file here unless one is here already; its size in bytes (0: none)."""
         if not self.url or self.partial.exists():
             return 0
-        from botocore.exceptions import ClientError
-
         try:
             self.client.download_file(self.bucket, self.key, str(self.partial))
-        except ClientError as e:
-            if str(e.response.get("Error", {}).get("Code")) in ("404", "NoSuchKey"):
-                return 0
-            raise ValueError(s3_problem(self.url, e)) from None
         except Exception as e:
+            if s3_missing(e):
+                return 0
             problem = s3_problem(self.url, e)
             if problem is None:
                 raise
@@ -185,7 +216,7 @@ def safe_to_destroy(workdir: Path, output_dir: str, prefix: str | None, skip=(),
     stored: dict[str, dict] = {}
     places = [(workdir / output_dir, output_dir)]
     if prefix:
-        bucket, _, base = prefix.removeprefix("s3://").rstrip("/").partition("/")
+        bucket, base = split_s3(prefix)
         key_root = f"{base}/{output_dir}" if base else output_dir
         try:
             for page in s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base):
