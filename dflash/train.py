@@ -36,6 +36,11 @@ training
     save_every: int = 200                 steps per resume point (0: none); a re-run resumes
     parallel: str = "ddp"                 under torchrun (WORLD_SIZE > 1): "ddp" or "fsdp"
     hidden_states: str = "offline"        "offline": read the cache; "online": run the target per row
+    loss_chunk_tokens: int = 2048         supervised positions per lm_head chunk: the loss holds one
+                                          chunk of fp32 logits (loss_chunk_tokens x vocab x 4 bytes;
+                                          up to twice that under bf16 autocast) at a time
+    prefetch: int = 2                     batches read and laid out ahead in a background thread
+                                          (0 = none; "online" builds them in the loop)
     device: str = "auto"                  "auto" = cuda when available, else cpu
 
 Output directory (written under a temporary name, renamed when complete):
@@ -53,13 +58,15 @@ import logging
 import math
 import shutil
 import time
-from contextlib import ExitStack, nullcontext
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, closing, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig
@@ -95,6 +102,8 @@ DEFAULTS: dict[str, Any] = {
     "save_every": 200,
     "parallel": "ddp",
     "hidden_states": "offline",
+    "loss_chunk_tokens": 2048,
+    "prefetch": 2,
     "device": "auto",
 }
 ARCH_KEYS = ("num_layers", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "block_size",
@@ -112,8 +121,10 @@ def resolve_cfg(cfg: dict) -> dict:
     missing = [k for k, v in merged.items() if v is REQUIRED]
     if missing:
         raise ValueError(f"missing required drafter/train settings: {missing}")
-    if merged["steps"] < 1 or merged["batch_size"] < 1 or merged["num_anchors"] < 1 or merged["log_every"] < 1:
-        raise ValueError("steps, batch_size, num_anchors and log_every must be >= 1")
+    if min(merged[k] for k in ("steps", "batch_size", "num_anchors", "log_every", "loss_chunk_tokens")) < 1:
+        raise ValueError("steps, batch_size, num_anchors, log_every and loss_chunk_tokens must be >= 1")
+    if merged["prefetch"] < 0:
+        raise ValueError("prefetch must be >= 0")
     return merged
 
 
@@ -251,6 +262,7 @@ class RowOrder:
         return self.order[self.pos - 1]
 
     def state_dict(self) -> dict:
+        # no copy: a new epoch replaces ``order`` and never changes it in place
         return {"order": self.order, "pos": self.pos}
 
     def load_state_dict(self, state: dict) -> None:
@@ -267,8 +279,40 @@ class Batch:
     context_pos: torch.Tensor     # [R, T]
     context_valid: torch.Tensor   # [R, T]
 
-    def to(self, device: torch.device) -> Batch:
-        return Batch(**{k: v.to(device) for k, v in vars(self).items()})
+    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
+        return Batch(**{k: v.to(device, non_blocking=non_blocking) for k, v in vars(self).items()})
+
+    def pin_memory(self) -> Batch:
+        return Batch(**{k: v.pin_memory() for k, v in vars(self).items()})
+
+
+T = TypeVar("T")
+
+
+def prefetched(build: Callable[[], T], count: int, ahead: int) -> Iterator[T]:
+    """``count`` results of ``build()``, called in order by one background thread that stays up
+    to ``ahead`` results ahead of the consumer (0: called in the consumer's thread). One thread
+    keeps the calls, and so their random draws, in the order of a run without prefetch. A thread,
+    not a process: building a batch is a few bulk copies (cache slices, the fp32 context, pinning)
+    in torch and safetensors calls, not per-element Python, and a thread shares the open cache
+    files and the generator (bench/train_input.py: no cost measured on CPU). Close it to stop the
+    thread."""
+    if ahead == 0:
+        for _ in range(count):
+            yield build()
+        return
+    pool = ThreadPoolExecutor(1, thread_name_prefix="dflash-prefetch")
+    try:
+        pending = deque(pool.submit(build) for _ in range(min(ahead, count)))
+        submitted = len(pending)
+        while pending:
+            result = pending.popleft().result()
+            if submitted < count:
+                pending.append(pool.submit(build))
+                submitted += 1
+            yield result
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def make_batch(rows: list[Row], features: list[torch.Tensor], anchors: list[torch.Tensor],
@@ -303,20 +347,77 @@ def make_batch(rows: list[Row], features: list[torch.Tensor], anchors: list[torc
                  context, torch.arange(T).repeat(R, 1), context_valid)
 
 
-def block_loss(model: torch.nn.Module, io: TargetIO, batch: Batch,
-               B: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _logit_chunks(hidden: torch.Tensor, weight: torch.Tensor, chunk: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(start, end, fp32 logits of rows start:end)``, chunk after chunk, all in the same buffers:
+    one chunk of logits is alive at a time, and CPU runs do not fault in fresh pages per chunk.
+    Each chunk's logits are overwritten by the next, so callers may change them in place."""
+    rows = min(chunk, len(hidden))
+    raw = torch.empty(rows, len(weight), dtype=weight.dtype, device=hidden.device)
+    logits = raw if raw.dtype == torch.float32 else torch.empty(rows, len(weight), device=hidden.device)
+    for s in range(0, len(hidden), chunk):
+        e = min(s + chunk, len(hidden))
+        torch.mm(hidden[s:e].to(weight.dtype), weight.T, out=raw[:e - s])
+        if logits is not raw:
+            logits[:e - s].copy_(raw[:e - s])
+        yield s, e, logits[:e - s]
+
+
+class HeadCE(torch.autograd.Function):
+    """``(sum(weights * CE(hidden @ head.T, labels)), top-1 hit per row)`` through the frozen head,
+    ``chunk`` rows of logits at a time. Backward recomputes each chunk's logits instead of keeping
+    them: neither pass holds more than one chunk of fp32 logits (with bf16 autocast, their bf16
+    matmul output and, in backward, a bf16 copy of their gradient besides: two chunks' worth),
+    where the whole fp32 logits at 30k supervised positions x 248k vocabulary would be 30 GB, with
+    as much again for their gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Under autocast the head is cast once here, not once per chunk; the logits are the same
+        # bf16 matmul the unchunked lm_head gave, upcast to fp32 for the loss.
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.dtype
+        weight = head.to(dtype)
+        lse = torch.empty(len(labels), device=hidden.device)
+        hit = torch.empty(len(labels), dtype=torch.bool, device=hidden.device)
+        total = torch.zeros((), device=hidden.device)
+        for s, e, logits in _logit_chunks(hidden, weight, chunk):
+            top, arg = logits.max(-1)
+            hit[s:e] = arg == labels[s:e]
+            picked = logits.gather(1, labels[s:e, None]).squeeze(1)
+            lse[s:e] = logits.sub_(top[:, None]).exp_().sum(-1).log_() + top  # in place: no second buffer
+            total += (weights[s:e] * (lse[s:e] - picked)).sum()
+        ctx.save_for_backward(hidden, head, labels, weights, lse)
+        ctx.chunk, ctx.dtype = chunk, dtype
+        ctx.mark_non_differentiable(hit)
+        return total, hit
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor, _grad_hit) -> tuple:
+        hidden, head, labels, weights, lse = ctx.saved_tensors
+        weight = head.to(ctx.dtype)
+        grad = torch.empty_like(hidden)
+        for s, e, probs in _logit_chunks(hidden, weight, ctx.chunk):
+            probs.sub_(lse[s:e, None]).exp_()  # softmax, from the forward's log-sum-exp
+            probs[torch.arange(e - s, device=probs.device), labels[s:e]] -= 1  # d CE / d logits = softmax - onehot
+            probs.mul_((weights[s:e] * grad_total)[:, None])
+            grad[s:e] = probs.to(ctx.dtype) @ weight
+        return grad, None, None, None, None  # the head, labels and weights are not trained
+
+
+def block_loss(model: torch.nn.Module, io: TargetIO, batch: Batch, B: int,
+               chunk_tokens: int = DEFAULTS["loss_chunk_tokens"]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weighted CE, correct top-1 per block position [B], supervised count per position [B]).
-    ``model`` may be wrapped (DDP, FSDP); ``B`` is its block size."""
+    ``model`` may be wrapped (DDP, FSDP); ``B`` is its block size; the lm_head runs on
+    ``chunk_tokens`` positions at a time (HeadCE)."""
     hidden = model(io.embed(batch.block_ids), batch.block_pos, batch.context, batch.context_pos, batch.context_valid)
     R, L = batch.block_ids.shape
     w = batch.weights.flatten()
     sel = w > 0  # anchors and padding never reach the (vocabulary-sized) lm_head
-    logits = io.logits(hidden.flatten(0, 1)[sel]).float()
-    labels = batch.labels.flatten()[sel]
-    loss = (F.cross_entropy(logits, labels, reduction="none") * w[sel]).sum() / w[sel].sum()
+    total, hit = HeadCE.apply(hidden.flatten(0, 1)[sel], io.head_weight, batch.labels.flatten()[sel], w[sel],
+                              chunk_tokens)
     slot = (torch.arange(L, device=w.device) % B).repeat(R)[sel]
-    hit = logits.argmax(-1) == labels
-    return loss, torch.bincount(slot[hit], minlength=B), torch.bincount(slot, minlength=B)
+    return total / w[sel].sum(), torch.bincount(slot[hit], minlength=B), torch.bincount(slot, minlength=B)
 
 
 def lr_at(step: int, steps: int, lr: float, warmup_ratio: float, min_lr_ratio: float) -> float:
@@ -347,9 +448,10 @@ def resume_dir(out_dir: Path) -> Path:
 
 
 def run_fingerprint(cfg: dict, tokenized: list[Path], target_dir: Path) -> str:
-    """What a resume point must match: the settings that shape the weights and the data."""
-    h = hashlib.sha256(json.dumps({k: v for k, v in cfg.items() if k not in ("device", "save_every", "parallel")},
-                                  sort_keys=True).encode())
+    """What a resume point must match: the settings that shape the weights and the data (not
+    where or how fast: a run that ran out of memory may resume with a smaller loss chunk)."""
+    how = ("device", "save_every", "parallel", "prefetch", "loss_chunk_tokens")
+    h = hashlib.sha256(json.dumps({k: v for k, v in cfg.items() if k not in how}, sort_keys=True).encode())
     h.update(Path(target_dir).name.encode())
     for path in tokenized:
         h.update(Path(path).with_suffix(".json").read_bytes())
@@ -512,19 +614,38 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
             log_file = outputs.enter_context(open(tmp / "train_log.jsonl", "w"))
             log_file.writelines(log_lines)
         per_rank = cfg["batch_size"]
-        for step in progress(range(step0, steps), desc="train drafter", initial=step0, total=steps, disable=not main):
+        mine = slice(dist.rank * per_rank, (dist.rank + 1) * per_rank)
+        pin = device.type == "cuda"  # page-locked, so the copy to the GPU can run without blocking the loop
+        pin_device = torch.cuda.current_device() if pin else None
+
+        def next_batch() -> tuple[Batch, dict]:
+            """The next step's batch, and the draw state a resume point after that step stores
+            (the prefetch thread has drawn further by then)."""
             # all ranks draw the whole global batch, so their generators stay equal; each trains its slice
             batch_rows = [data.rows[next(rows)] for _ in range(per_rank * dist.world)]
             anchors = [sample_anchors(r.loss_mask, cfg["num_anchors"], generator) for r in batch_rows]
-            mine = slice(dist.rank * per_rank, (dist.rank + 1) * per_rank)
+            draws = {"generator": generator.get_state(), "rows": rows.state_dict()}
             batch = make_batch(batch_rows[mine], [data.features(r) for r in batch_rows[mine]], anchors[mine], B,
-                               config.dflash_config["mask_token_id"], cfg["loss_decay_gamma"]).to(device)
+                               config.dflash_config["mask_token_id"], cfg["loss_decay_gamma"])
+            if pin:
+                # a new thread's current device is GPU 0: pinning there would open a context on it from every rank
+                torch.cuda.set_device(pin_device)
+                batch = batch.pin_memory()
+            return batch, draws
+
+        # online features are the target's forward on this device: in a second thread it would only
+        # queue behind the training step's kernels and contend for the GIL, so it runs in the loop
+        ahead = cfg["prefetch"] if online is None else 0
+        batches = outputs.enter_context(closing(prefetched(next_batch, steps - step0, ahead)))
+        for step, (batch, draws) in zip(progress(range(step0, steps), desc="train drafter", initial=step0,
+                                                 total=steps, disable=not main), batches):
+            batch = batch.to(device, non_blocking=pin)
             lr = lr_at(step, steps, cfg["lr"], cfg["warmup_ratio"], cfg["min_lr_ratio"])
             for group in optimizer.param_groups:
                 group["lr"] = lr
 
             with autocast:
-                loss, correct, count = block_loss(model, io, batch, B)
+                loss, correct, count = block_loss(model, io, batch, B, cfg["loss_chunk_tokens"])
             loss.backward()
             if cfg["grad_clip"]:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
@@ -554,8 +675,8 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
                 if main:
                     save_resume_point(resume, {
                         "fingerprint": fingerprint, "step": step + 1, "model": model_state, "optimizer": optim_state,
-                        "generator": generator.get_state(), "torch_rng": torch.get_rng_state(),
-                        "rows": rows.state_dict(), "first_loss": first_loss, "final_loss": final_loss,
+                        "generator": draws["generator"], "torch_rng": torch.get_rng_state(),
+                        "rows": draws["rows"], "first_loss": first_loss, "final_loss": final_loss,
                         "log_lines": log_lines, "window": {k: v for k, v in window.items() if k != "t0"}})
                 dist.barrier()
 

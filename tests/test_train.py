@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,9 +13,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
+import dflash.train
 from dflash.drafter import TargetIO, load_drafter
 from dflash.hidden import forward_features
-from dflash.train import Row, anchor_candidates, lr_at, make_batch, resolve_cfg, sample_anchors, train
+from dflash.train import (HeadCE, Row, anchor_candidates, block_loss, lr_at, make_batch, resolve_cfg, sample_anchors,
+                          train)
 from tests.test_drafter import reference  # noqa: F401 (fixture)
 
 
@@ -130,6 +134,10 @@ def test_cfg_checks():
         resolve_cfg({**TRAIN_CFG, "learning_rate": 1.0})
     with pytest.raises(ValueError, match="mask_token_id"):
         resolve_cfg({k: v for k, v in TRAIN_CFG.items() if k != "mask_token_id"})
+    with pytest.raises(ValueError, match="loss_chunk_tokens"):
+        resolve_cfg({**TRAIN_CFG, "loss_chunk_tokens": 0})
+    with pytest.raises(ValueError, match="prefetch"):
+        resolve_cfg({**TRAIN_CFG, "prefetch": -1})
 
 
 def test_target_io_reads_embedding_and_head(tiny_target_dir):
@@ -137,6 +145,153 @@ def test_target_io_reads_embedding_and_head(tiny_target_dir):
     io, expected = TargetIO.from_pretrained(tiny_target_dir), TargetIO.from_model(model)
     assert torch.equal(io.embed_weight, expected.embed_weight)
     assert torch.equal(io.head_weight, expected.head_weight)
+
+
+# --- the chunked loss at the real vocabulary ---------------------------------------------------
+
+QWEN36_VOCAB = 248_320
+
+
+class _Drafter(torch.nn.Module):
+    """Stands in for the drafter: block_loss only needs hidden states that depend on parameters."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, embeds, *_context):
+        return self.proj(embeds)
+
+
+def _whole_block_loss(model, io, batch, B):
+    """block_loss before chunking: the fp32 logits of every supervised position at once."""
+    hidden = model(io.embed(batch.block_ids))
+    R, L = batch.block_ids.shape
+    w = batch.weights.flatten()
+    sel = w > 0
+    logits = io.logits(hidden.flatten(0, 1)[sel]).float()
+    labels = batch.labels.flatten()[sel]
+    loss = (torch.nn.functional.cross_entropy(logits, labels, reduction="none") * w[sel]).sum() / w[sel].sum()
+    slot = (torch.arange(L) % B).repeat(R)[sel]
+    hit = logits.argmax(-1) == labels
+    return loss, torch.bincount(slot[hit], minlength=B), torch.bincount(slot, minlength=B)
+
+
+def test_chunked_loss_equals_whole_logits_at_the_real_vocabulary():
+    """Loss, per-position tallies and gradients as the whole-logits loss gave them, with the last
+    chunk a partial one; every third label the mask token, which the head ranks first at the
+    mask positions, makes the tallies non-trivial."""
+    H, B, V = 16, 16, QWEN36_VOCAB
+    g = torch.Generator().manual_seed(0)
+    rows, anchors = [], []
+    for length in (300, 260):
+        mask = torch.ones(length, dtype=torch.bool)
+        mask[:20] = False
+        rows.append(Row(0, 0, length, torch.randint(0, V, (length,), generator=g), mask))
+        anchors.append(sample_anchors(mask, 20, g))
+    batch = make_batch(rows, [torch.zeros(len(r.input_ids), 1, H) for r in rows], anchors, B, 0, 7.0)
+    embed = torch.randn(V, H, generator=g)
+    embed[0] *= 3  # the mask token (id 0): its own logit beats the others'
+    io = TargetIO(embed, embed * 0.5)
+    torch.manual_seed(0)
+    model = _Drafter(H)
+    with torch.no_grad():
+        model.proj.weight.copy_(torch.eye(H) + 0.01 * torch.randn(H, H, generator=g))
+    batch.labels[:, ::3] = 0
+
+    expected = _whole_block_loss(model, io, batch, B)
+    expected[0].backward()
+    expected_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    supervised = int(expected[2].sum())
+    assert supervised > 500 and supervised % 96 and 0 < int(expected[1].sum()) < supervised
+    loss, correct, count = block_loss(model, io, batch, B, chunk_tokens=96)
+    loss.backward()
+    torch.testing.assert_close(loss, expected[0])
+    assert torch.equal(correct, expected[1]) and torch.equal(count, expected[2])
+    for p, grad in zip(model.parameters(), expected_grads):
+        torch.testing.assert_close(p.grad, grad)
+
+
+def test_chunked_loss_under_bf16_autocast_matches_and_stays_float32():
+    """The lm_head matmul runs in bf16 as autocast makes it (CPU autocast here, CUDA's in training),
+    the loss and its softmax in fp32, as the whole-logits loss did."""
+    g = torch.Generator().manual_seed(0)
+    N, H, V = 300, 32, 5000
+    x, head = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g) * 0.1
+    labels, weights = torch.randint(0, V, (N,), generator=g), torch.rand(N, generator=g)
+    proj = torch.nn.Linear(H, H)
+    results = []
+    for chunked in (False, True):
+        proj.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = proj(x)
+            if chunked:
+                total, hit = HeadCE.apply(hidden, head, labels, weights, 64)
+            else:
+                logits = torch.nn.functional.linear(hidden, head).float()
+                total = (torch.nn.functional.cross_entropy(logits, labels, reduction="none") * weights).sum()
+                hit = logits.argmax(-1) == labels
+        total.backward()
+        results.append((total.detach(), hit, proj.weight.grad.clone()))
+    (whole, whole_hit, whole_grad), (total, hit, grad) = results
+    assert hidden.dtype == torch.bfloat16 and total.dtype == torch.float32
+    torch.testing.assert_close(total, whole)
+    assert torch.equal(hit, whole_hit)
+    torch.testing.assert_close(grad, whole_grad)
+
+
+# Peak resident memory of HeadCE's forward + backward, and of the whole-logits loss, measured in
+# a fresh process: torch's CPU tensors live outside Python's allocator (tracemalloc misses them)
+# and glibc maps each one this large with mmap, so the kernel's high-water mark (VmHWM, reset by
+# writing 5 to /proc/self/clear_refs) minus the resident size before is what the loss added.
+_PEAK_PROBE = """
+import json, sys, torch
+from dflash.train import HeadCE
+torch.set_num_threads(1)
+
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+
+def peak(fn):
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS:")
+    fn()
+    return status("VmHWM:") - before
+
+V, H, N, small, chunk = map(int, sys.argv[1:])
+g = torch.Generator().manual_seed(0)
+hidden = torch.randn(N, H, generator=g, requires_grad=True)
+head = torch.randn(V, H, generator=g)
+labels, weights = torch.randint(0, V, (N,), generator=g), torch.rand(N, generator=g)
+
+def chunked():
+    HeadCE.apply(hidden, head, labels, weights, chunk)[0].backward()
+
+def whole():
+    logits = torch.nn.functional.linear(hidden[:small], head).float()
+    (torch.nn.functional.cross_entropy(logits, labels[:small], reduction="none") * weights[:small]).sum().backward()
+
+print(json.dumps({"chunked": peak(chunked), "whole": peak(whole)}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak-RSS reset")
+def test_chunked_loss_memory_is_bounded_by_the_chunk(record_property):
+    """2,048 supervised positions at the real vocabulary: forward + backward stay within about one
+    chunk of fp32 logits (the bound loss_chunk_tokens promises), where the whole-logits loss needs
+    several times its N x V logits: measured at 256 positions it is already past the bound, and
+    at 2,048 its logits alone would be 2 GB."""
+    V, H, N, small, chunk = QWEN36_VOCAB, 16, 2048, 256, 128
+    out = subprocess.run([sys.executable, "-c", _PEAK_PROBE, *map(str, (V, H, N, small, chunk))], check=True,
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    peak = json.loads(out.stdout)
+    chunk_bytes = chunk * V * 4
+    for key, value in {**peak, "chunk_logits": chunk_bytes, "whole_logits_at_2048": N * V * 4}.items():
+        record_property(f"{key}_MB", round(value / 1e6, 1))
+    assert chunk_bytes <= peak["chunked"] < 1.5 * chunk_bytes
+    assert peak["whole"] > small * V * 4 > 1.5 * chunk_bytes  # the probe does see torch's allocations
 
 
 # --- training --------------------------------------------------------------------------------
@@ -169,12 +324,37 @@ def test_train_overfits_and_writes_checkpoint(tiny_target_dir, shards, tmp_path)
     assert "embed" not in " ".join(load_file(out / "model.safetensors"))
 
 
-def test_train_is_deterministic(tiny_target_dir, shards, tmp_path):
+def test_train_is_deterministic_with_or_without_prefetch(tiny_target_dir, shards, tmp_path):
     cfg = {**TRAIN_CFG, "steps": 4, "log_every": 2}
-    train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "a", cfg)
-    train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "b", cfg)
+    train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "a", {**cfg, "prefetch": 0})
+    train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "b", {**cfg, "prefetch": 3})
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_failed_run_resumes_to_the_same_weights_while_prefetching(tiny_target_dir, shards, tmp_path, monkeypatch):
+    """The prefetch thread has drawn rows and anchors for steps past the last resume point when
+    the run fails; the resumed run must draw them again, as an uninterrupted run did."""
+    cfg = {**TRAIN_CFG, "steps": 9, "log_every": 3, "save_every": 3, "prefetch": 3}
+    train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "whole", cfg)
+
+    lr_at = dflash.train.lr_at
+
+    def fail_at_step_7(step, *args):
+        if step == 7:
+            raise RuntimeError("interrupted")
+        return lr_at(step, *args)
+
+    monkeypatch.setattr(dflash.train, "lr_at", fail_at_step_7)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "resumed", cfg)
+    monkeypatch.setattr(dflash.train, "lr_at", lr_at)
+    summary = train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "resumed", cfg)
+    assert summary["resumed_from_step"] == 6
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    whole, resumed = ((tmp_path / d / "train_log.jsonl").read_text().splitlines() for d in ("whole", "resumed"))
+    assert [json.loads(x)["loss"] for x in whole] == [json.loads(x)["loss"] for x in resumed]
 
 
 def _rewrite(path: Path, out: Path, tensors: dict | None = None, metadata: dict | None = None) -> Path:
