@@ -67,9 +67,10 @@ speculators-venv: $(SPEC_VENV)/.installed
 # specforge/__init__.py and specforge/data/__init__.py are bare docstrings, so
 # `from specforge.data.preprocessing import build_eagle3_dataset` loads only specforge.data.* and
 # specforge.{distributed,utils} (torch, transformers, datasets, tqdm, pydantic), no stub needed.
-# transformers 5.23.0 works with it; jinja2 renders the chat template.
+# transformers 5.23.0 works with it; jinja2 renders the chat template. datasets is pinned to the
+# version the bench was last run with, so the figures can be reproduced.
 SPECFORGE_VENV := .venv-specforge
 $(SPECFORGE_VENV)/.installed:
-	$(call bench-venv,$(SPECFORGE_VENV),specforge==0.2.0,transformers==5.23.0 datasets tqdm pydantic jinja2)
+	$(call bench-venv,$(SPECFORGE_VENV),specforge==0.2.0,transformers==5.23.0 datasets==5.1.0 tqdm pydantic jinja2)
 
 specforge-venv: $(SPECFORGE_VENV)/.installed

@@ -1,0 +1,172 @@
+"""Hidden-state capture: the ``hidden`` stage's per-shard job against the fastest public way to
+get the same selected-layer features from a transformers model, on CPU, in alternating rounds.
+
+SpecForge 0.2.0 cannot be the competitor here: it has no in-process target model any more
+(``specforge/modeling/target/`` holds only the trainable head and the embeddings; its config says
+"the in-process HF/custom target backends were removed with the server-only cutover",
+``model.target_backend: Literal["sglang"]``), and its one extraction path,
+``specforge.offline_capture`` (``OfflineSGLangCapture``), builds an SGLang 0.5.14 ``ModelRunner``
+on ``torch.cuda.current_device()``: it needs SGLang and a CUDA GPU. So the floor is what anyone
+would write with transformers alone: per row, the decoder stack (``model.get_decoder()``, no LM
+head) with ``output_hidden_states=True``, the selected ``hidden_states[i + 1]`` stacked and cast
+into the same preallocated cache, written with the same safetensors call.
+
+Both run the whole per-shard job on the same tokenized shard: load the rows and the target,
+forward every row (one at a time, no padding), write ``hidden_states`` [T, k, H] with the rows'
+``input_ids`` and ``offsets``. Ours is ``dflash.hidden.capture_shard`` (forward hooks on the
+selected layers only, as the ``hidden`` rule calls it). Same target, rows, layers (the demo
+config's ``drafter.target_layer_ids``), compute dtype (float32, as ``load_target`` loads it) and
+cache dtype (``--dtype``, default the demo's bfloat16), same torch threads, pinned to the same
+cores; the two caches are checked equal. One warm-up round is not counted; ``--rounds`` rounds
+alternate the order; figures are medians, the ratio the median of the per-round ratios.
+
+The target is the demo target built offline as ``tests/conftest.py`` builds it (untaught:
+weights do not change the work), ``qwen3_5_text`` (3 linear-attention layers, then 1 full
+attention) or ``--architecture qwen3``. The rows are seeded random ids with lengths drawn like
+real rows (log-normal, median about 1,500 tokens, at most ``tokenize.max_length``).
+
+The projection to ``--project-tokens`` (default 1.64e9, the story's output tokens) is linear: time =
+tokens / measured tokens/s (this tiny target, these cores: it says nothing of a 27B target on a
+GPU, where the forward is everything), bytes = tokens x layers x hidden x bytes per value
+(``dflash.hidden.cache_bytes``), for the tiny target and, from its config's shapes, for
+``config/qwen3.6-27b.yaml``'s target.
+
+Usage: python bench/hidden_capture.py [--rows 80] [--rounds 5] [--threads 1] [--architecture qwen3_5_text]
+       [--dtype bfloat16] [--project-tokens 1.64e9]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash.config import load_config
+from dflash.hidden import DTYPES, cache_bytes, capture_shard, resolve_layer_ids
+from dflash.io import human_bytes
+from dflash.workflow import layer_selection
+
+ROOT = Path(__file__).resolve().parents[1]
+# Qwen3.6-27B's text config (README: 64 layers, hidden 5120); the real model is not on this machine.
+REAL_TARGET = {"name": "Qwen3.6-27B", "num_hidden_layers": 64, "hidden_size": 5120}
+
+
+def build_demo_target(workdir: Path, architecture: str) -> Path:
+    from dflash.target import build_target
+
+    cfg = load_config(ROOT / "config.yaml")
+    build = copy.deepcopy(cfg["target"]["build"])
+    build["architecture"] = architecture
+    build["teach"]["steps"] = 1  # the shapes are what the bench needs, not what the target learnt
+    sources = [ROOT / s["path"] for s in cfg["prompts"]["sources"]]
+    out = workdir / "target"
+    build_target(sources, out, build)
+    return out
+
+
+def write_rows(path: Path, rows: int, vocab: int, max_length: int) -> int:
+    """A tokenized shard of seeded random rows (the format ``tokenize_shard`` writes)."""
+    rng = np.random.default_rng(0)
+    lengths = np.minimum(rng.lognormal(np.log(1500), 0.6, rows).astype(np.int64) + 2, max_length)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    ids = rng.integers(0, vocab, int(offsets[-1]), dtype=np.int32)
+    save_file({"input_ids": torch.from_numpy(ids), "loss_mask": torch.ones(len(ids), dtype=torch.uint8),
+               "offsets": torch.from_numpy(offsets)}, str(path), metadata={"format": "dflash-tokenized-v1"})
+    return len(ids)
+
+
+@torch.no_grad()
+def transformers_capture(tokenized: Path, out_path: Path, target_dir: Path, layer_ids: list[int], dtype: str) -> None:
+    """The same cache from transformers' own ``output_hidden_states`` (the decoder stack only)."""
+    from transformers import AutoModelForCausalLM
+
+    rows = load_file(str(tokenized))
+    input_ids, offsets = rows["input_ids"], rows["offsets"]
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    decoder = model.get_decoder()
+    out = torch.empty((len(input_ids), len(layer_ids), model.config.hidden_size), dtype=DTYPES[dtype])
+    for r in range(len(offsets) - 1):
+        a, b = offsets[r].item(), offsets[r + 1].item()
+        states = decoder(input_ids=input_ids[a:b].long().unsqueeze(0), use_cache=False,
+                         output_hidden_states=True).hidden_states
+        out[a:b] = torch.stack([states[i + 1][0] for i in layer_ids], dim=1).to(out.dtype)
+    save_file({"hidden_states": out, "input_ids": input_ids, "offsets": offsets}, str(out_path))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=80)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads and cores for each (default 1)")
+    ap.add_argument("--architecture", default="qwen3_5_text", choices=["qwen3_5_text", "qwen3"])
+    ap.add_argument("--dtype", default=load_config(ROOT / "config.yaml")["hidden"]["dtype"],
+                    choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--project-tokens", type=float, default=1.64e9)
+    a = ap.parse_args()
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:a.threads])
+    torch.set_num_threads(a.threads)
+    logging.disable(logging.INFO)
+    print(f"python {platform.python_version()}, " + ", ".join(
+        f"{p} {importlib.metadata.version(p)}" for p in ("torch", "transformers", "safetensors")))
+    cfg = load_config(ROOT / "config.yaml")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        target = build_demo_target(tmp, a.architecture)
+        text = json.loads((target / "config.json").read_text())
+        layers = layer_selection(cfg["drafter"])
+        layer_ids = resolve_layer_ids(layers, text["num_hidden_layers"])
+        tokenized = tmp / "shard.safetensors"
+        tokens = write_rows(tokenized, a.rows, text["vocab_size"], cfg["tokenize"]["max_length"])
+        print(f"target: demo {a.architecture}, {text['num_hidden_layers']} layers, hidden {text['hidden_size']}, "
+              f"layers {layer_ids}, compute float32, cache {a.dtype}; {a.rows} rows, {tokens:,} tokens; "
+              f"threads per method: {a.threads}")
+        outs = {"ours": tmp / "ours.safetensors", "transformers": tmp / "hf.safetensors"}
+        methods = {
+            "ours": lambda: capture_shard(tokenized, outs["ours"], target, layers, a.dtype),
+            "transformers": lambda: transformers_capture(tokenized, outs["transformers"], target, layer_ids, a.dtype),
+        }
+        for run in methods.values():  # warm-up, not counted
+            run()
+        same = torch.equal(load_file(str(outs["ours"]))["hidden_states"],
+                           load_file(str(outs["transformers"]))["hidden_states"])
+        print(f"caches equal: {same}")
+        cache = cache_bytes(tokens, len(layer_ids), text["hidden_size"], a.dtype)
+        seconds: dict[str, list[float]] = {k: [] for k in methods}
+        for r in range(a.rounds):
+            for k in (list(methods) if r % 2 == 0 else list(reversed(methods))):
+                t = time.perf_counter()
+                methods[k]()
+                seconds[k].append(time.perf_counter() - t)
+            print(f"round {r + 1}: " + ", ".join(f"{k} {tokens / seconds[k][-1]:,.0f}" for k in methods) + " tokens/s",
+                  flush=True)
+        for k in methods:
+            s = statistics.median(seconds[k])
+            print(f"{k:13s} {tokens / s:10,.0f} tokens/s  {human_bytes(cache / s)}/s  "
+                  f"({tokens:,} tokens, {human_bytes(cache)} cache, {s:.2f} s a shard)")
+        ratios = [t / o for o, t in zip(seconds["ours"], seconds["transformers"])]
+        print(f"ratio ours / transformers (tokens/s): {statistics.median(ratios):.2f} "
+              f"(median of {len(ratios)} rounds, range {min(ratios):.2f}-{max(ratios):.2f})")
+        n = a.project_tokens
+        for k in methods:
+            hours = n / (tokens / statistics.median(seconds[k])) / 3600
+            print(f"projection {n:.3g} tokens, {k}: {hours:,.1f} h on {a.threads} core(s) with this target")
+        real = load_config(ROOT / "config" / "qwen3.6-27b.yaml")["drafter"]
+        real_ids = resolve_layer_ids(layer_selection(real), REAL_TARGET["num_hidden_layers"])
+        for name, k, hidden in (("this target", len(layer_ids), text["hidden_size"]),
+                                (REAL_TARGET["name"], len(real_ids), REAL_TARGET["hidden_size"])):
+            print(f"projection {n:.3g} tokens, cache with {name} ({k} layers x {hidden}, {a.dtype}): "
+                  f"{human_bytes(cache_bytes(int(n), k, hidden, a.dtype))}")
+
+if __name__ == "__main__":
+    main()
