@@ -16,7 +16,7 @@ prompt is not a token prefix of the rendered conversation (``boundary_unstable``
 
 Records are encoded in batches by the Rust tokenizer's batch encode (parallel over the job's
 threads, no character offsets), in a worker thread while the next batch is read and rendered:
-on one core, rows from text come at about 0.9x the bare batch encode of the same strings
+on one core, rows from text come at 0.8-0.9x the bare batch encode of the same strings
 (``bench/tokenize_throughput.py``).
 """
 from __future__ import annotations
