@@ -266,14 +266,31 @@ class DraftAttention(nn.Module):
     def forward(self, x: torch.Tensor, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
         """x [B, L, H] block tokens, context [B, S, H] fused features, cos/sin [B, S + L, D]."""
-        B, L, _ = x.shape
         S = context.shape[1]
+        k, v = self.keys_values(torch.cat([context, x], dim=1), cos, sin)
+        return self.attend(x, k, v, cos[:, S:], sin[:, S:], mask)
+
+    def forward_cached(self, x: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
+                       sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` with the context's keys and values from :meth:`keys_values`, computed
+        once per context position while decoding; cos/sin [B, L, D] of the block only."""
+        k, v = self.keys_values(x, cos, sin)
+        return self.attend(x, torch.cat([context_kv[0], k], dim=2), torch.cat([context_kv[1], v], dim=2), cos, sin,
+                           mask)
+
+    def keys_values(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values [B, kv_heads, T, D] of h [B, T, H] at the positions of cos/sin."""
+        B, T, _ = h.shape
+        k = self.k_norm(self.k_proj(h).view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(h).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+        """Queries from x [B, L, H] (rotated by cos/sin [B, L, D]) over keys/values [B, kv_heads, T, D]."""
+        B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, L, self.n_head, self.head_dim)).transpose(1, 2)
-        kv_in = torch.cat([context, x], dim=1)
-        k = self.k_norm(self.k_proj(kv_in).view(B, S + L, self.n_kv_head, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(kv_in).view(B, S + L, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos[:, S:], sin[:, S:])
-        k = apply_rope(k, cos, sin)
+        q = apply_rope(q, cos, sin)
         # Repeat the kv heads by hand: SDPA's enable_gqa with a mask falls back to the math kernel.
         groups = self.n_head // self.n_kv_head
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -302,7 +319,13 @@ class DraftLayer(nn.Module):
         self.mlp = DraftMLP(config)
 
     def forward(self, x, context, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, mask)
+        return self._around(x, lambda h: self.self_attn(h, context, cos, sin, mask))
+
+    def forward_cached(self, x, context_kv, cos, sin, mask):
+        return self._around(x, lambda h: self.self_attn.forward_cached(h, context_kv, cos, sin, mask))
+
+    def _around(self, x, attention):
+        x = x + attention(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -346,7 +369,36 @@ class DFlashDraftModel(nn.Module):
         context = self.hidden_norm(self.fc(context_features.flatten(2)))
         position_ids = torch.cat([context_position_ids, block_position_ids], dim=1)
         cos, sin = self.rotary_emb(block_embeds, position_ids)
-        masks = {
+        masks = self._masks(block_position_ids, context_position_ids, context_valid)
+        x = block_embeds
+        for layer in self.layers:
+            x = layer(x, context, cos, sin, masks[layer.self_attn.layer_type])
+        return self.norm(x)
+
+    def context_keys_values(self, context_features: torch.Tensor,
+                            context_position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's keys and values [B, kv_heads, S, D] of the context: what :meth:`forward`
+        derives from ``context_features`` anew each call, position by position, so that decoding
+        can compute each position once and append (:meth:`forward_cached`)."""
+        context = self.hidden_norm(self.fc(context_features.flatten(2)))
+        cos, sin = self.rotary_emb(context, context_position_ids)
+        return [layer.self_attn.keys_values(context, cos, sin) for layer in self.layers]
+
+    def forward_cached(self, block_embeds: torch.Tensor, block_position_ids: torch.Tensor,
+                       context_kv: list[tuple[torch.Tensor, torch.Tensor]],
+                       context_position_ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` for decoding, with ``context_kv`` from :meth:`context_keys_values`
+        (positions ``context_position_ids`` [B, S]) instead of the features."""
+        cos, sin = self.rotary_emb(block_embeds, block_position_ids)
+        masks = self._masks(block_position_ids, context_position_ids, None)
+        x = block_embeds
+        for layer, kv in zip(self.layers, context_kv):
+            x = layer.forward_cached(x, kv, cos, sin, masks[layer.self_attn.layer_type])
+        return self.norm(x)
+
+    def _masks(self, block_position_ids: torch.Tensor, context_position_ids: torch.Tensor,
+               context_valid: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        return {
             layer_type: draft_attention_mask(
                 block_position_ids, context_position_ids, self.block_size,
                 causal=layer_type == "sliding_attention",
@@ -354,10 +406,6 @@ class DFlashDraftModel(nn.Module):
                 context_valid=context_valid)
             for layer_type in set(self.config.layer_types)
         }
-        x = block_embeds
-        for layer in self.layers:
-            x = layer(x, context, cos, sin, masks[layer.self_attn.layer_type])
-        return self.norm(x)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,11 +1,19 @@
 """Greedy speculative decoding with the target and a drafter: acceptance length per category.
 
-The target is hybrid: its linear-attention layers carry a recurrent state that cannot be rolled
-back past a rejected draft token, so no cache is kept. Every step is one full target forward
-over prompt + accepted tokens + drafted block, which yields the greedy tokens that verify the
-block and the layer features the drafter needs for the next block. Acceptance follows the
-reference: the longest drafted prefix that matches the target's greedy tokens, plus the
-target's next token, so the output is exactly plain greedy decoding.
+Both models keep a cache, as the reference's ``dflash_generate`` does: the target its keys and
+values (and, in its linear-attention layers, its recurrent and convolution states), the drafter
+the keys and values of its context, so each step costs one block, not the whole prefix. Every step
+is one target forward over the block ``[anchor, drafted tokens]``, which yields the greedy tokens
+that verify the block and the layer features the drafter needs for the next block. Acceptance
+follows the reference: the longest drafted prefix that matches the target's greedy tokens, plus
+the target's next token, so the output is exactly plain greedy decoding.
+
+Unlike the reference, a rejected draft is taken back out of the target's linear-attention layers
+too: their recurrent state has absorbed every token fed and cannot be cropped like keys and
+values, so it is saved before each verify forward and, on a rejection, advanced from there over
+the accepted positions alone (:class:`CachedTarget`). The reference (``dflash`` 0.1.0) crops only
+keys, values and convolution states, so on a hybrid target it goes on from a state that has seen
+the rejected tokens, and its later tokens are not the target's greedy ones.
 
 ``acceptance_length`` is tokens per target forward, the prefill forward (which yields the first
 token) included: 1.0 without a drafter. The reference's tau leaves the prefill out, so on short
@@ -21,14 +29,15 @@ outputs it reads slightly higher.
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, Qwen3Config
 
 from dflash.chat import render, stop_token_ids
 from dflash.drafter import DFlashDraftModel, TargetIO, load_drafter
-from dflash.hidden import forward_features
+from dflash.hidden import decoder_layers, forward_features
 from dflash.train import pick_device
 from dflash.workflow import progress
 
@@ -44,18 +53,113 @@ def untrained_drafter(drafter_dir: Path, seed: int = 0) -> tuple[DFlashDraftMode
         return DFlashDraftModel(config), config
 
 
-def propose(drafter: DFlashDraftModel, io: TargetIO, context: torch.Tensor, last_token: int,
+class CachedTarget:
+    """The target behind a cache that can be rolled back to the tokens a verify forward accepted
+    (see the module docstring). Use as a context manager around the forwards.
+
+    A linear-attention layer's recurrent state after the accepted tokens is recomputed from the
+    state saved before the verify forward and the gated-delta-rule inputs (queries, keys, values,
+    gates) of the accepted positions, caught on their way into the layer's chunked kernel: the
+    token-by-token form of the same rule over those few positions, nothing else of the layer run
+    again. Its convolution state needs no recomputing: the cache keeps the raw inputs, and
+    cropping cuts them back to the accepted tokens.
+    """
+
+    CHUNKED, RECURRENT = "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"
+
+    def __init__(self, target: PreTrainedModel, layer_ids: list[int] | None):
+        self.target, self.layer_ids = target, layer_ids
+        self.cache = DynamicCache(config=target.config)
+        # Keeps the convolution inputs of every token fed until the next crop, so they can be cut back.
+        self.cache.activate_past_recording()
+        self.linear = [i for i, layer in enumerate(self.cache.layers) if hasattr(layer, "recurrent_states")]
+        self.modeling = None
+        if self.linear:
+            # The module that defines the linear-attention layers holds the rule they call.
+            modules = {sys.modules[type(m).__module__] for layer in decoder_layers(target)
+                       for m in layer.children() if type(m).__name__.endswith("GatedDeltaNet")}
+            if len(modules) != 1 or not all(hasattr(m, n) for m in modules for n in (self.CHUNKED, self.RECURRENT)):
+                raise ValueError(f"{type(target).__name__}: layers {self.linear} keep a recurrent state, and no "
+                                 f"gated delta rule ({self.CHUNKED}) was found to roll it back with")
+            self.modeling = modules.pop()
+        self.rule_inputs: list[tuple] = []
+        self.saved: list[torch.Tensor] = []
+
+    def __enter__(self) -> CachedTarget:
+        if self.modeling is not None:
+            # The layers call the rule by its module-level name: wrapping it there is the one way
+            # to see its inputs without running the layer again. Undone on exit.
+            chunked = self.chunked = getattr(self.modeling, self.CHUNKED)
+
+            def catch(query, key, value, *args, **kwargs):
+                self.rule_inputs.append((query, key, value, kwargs["g"], kwargs["beta"],
+                                         kwargs.get("use_qk_l2norm_in_kernel", False)))
+                return chunked(query, key, value, *args, **kwargs)
+            setattr(self.modeling, self.CHUNKED, catch)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.modeling is not None:
+            setattr(self.modeling, self.CHUNKED, self.chunked)
+
+    def forward(self, ids: list[int], keep: int) -> tuple[list[int], torch.Tensor | None]:
+        """Feed ``ids`` after the cached tokens: the greedy next token at each of the last ``keep``
+        positions, and the drafter's context features [1, len(ids), k, H] (None without layer ids).
+        A single token is always kept, so only longer feeds save the recurrent states."""
+        self.rule_inputs.clear()
+        if len(ids) > 1:
+            # None before the prefill; the cache updates the tensor in place.
+            self.saved = [s if s is None else s.clone() for s in
+                          (self.cache.layers[i].recurrent_states[0] for i in self.linear)]
+        input_ids = torch.tensor([ids], device=self.target.device)
+        kwargs = {"past_key_values": self.cache, "use_cache": True, "logits_to_keep": keep}
+        if self.layer_ids is None:
+            logits, features = self.target(input_ids=input_ids, **kwargs).logits, None
+        else:
+            logits, features = forward_features(self.target, input_ids, self.layer_ids, **kwargs)
+        return logits[0, -keep:].argmax(-1).tolist(), features
+
+    def keep(self, fed: int, kept: int) -> None:
+        """After feeding ``fed`` tokens, keep the first ``kept`` of them in the cache."""
+        if kept < fed and self.linear:
+            if len(self.rule_inputs) != len(self.linear):
+                raise RuntimeError(f"{len(self.rule_inputs)} gated delta rule calls seen for {len(self.linear)} "
+                                   "linear-attention layers")
+            # Every layer's rule in one call, the layers side by side in the batch dimension.
+            q, k, v, g, beta = (torch.cat([inputs[j][:, :kept] for inputs in self.rule_inputs]) for j in range(5))
+            _, states = getattr(self.modeling, self.RECURRENT)(
+                q, k, v, g=g, beta=beta, initial_state=torch.cat(self.saved), output_final_state=True,
+                use_qk_l2norm_in_kernel=self.rule_inputs[0][5])
+            for i, state in zip(self.linear, states.split(1)):
+                self.cache.layers[i].recurrent_states[0].copy_(state)
+        # Cuts the rejected keys, values and convolution inputs; trims the convolution inputs to the kernel.
+        self.cache.crop(kept - fed)
+
+
+def append_context(drafter: DFlashDraftModel, context_kv: list | None, features: torch.Tensor,
+                   start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The drafter's cached context keys and values with those of ``features`` [1, n, k, H]
+    (positions ``start`` ..) appended."""
+    positions = torch.arange(start, start + features.shape[1], device=features.device)[None]
+    new = drafter.context_keys_values(features, positions)
+    if context_kv is None:
+        return new
+    return [(torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2)) for (k, v), (nk, nv) in zip(context_kv, new)]
+
+
+def propose(drafter: DFlashDraftModel, io: TargetIO, context_kv: list, context_len: int, last_token: int,
             num_draft: int) -> list[int]:
-    """Draft ``num_draft`` tokens after ``last_token``, which sits right after ``context``
-    (target features [1, S, k, H] of positions 0 .. S-1)."""
-    S, device = context.shape[1], context.device
+    """Draft ``num_draft`` tokens after ``last_token``, which sits right after the ``context_len``
+    context positions whose keys and values ``context_kv`` holds."""
+    device = io.embed_weight.device
     block = torch.tensor([[last_token] + [drafter.mask_token_id] * num_draft], device=device)
-    positions = torch.arange(S, S + num_draft + 1, device=device)[None]
-    hidden = drafter(io.embed(block), positions, context, torch.arange(S, device=device)[None])
+    positions = torch.arange(context_len, context_len + num_draft + 1, device=device)[None]
+    hidden = drafter.forward_cached(io.embed(block), positions, context_kv,
+                                    torch.arange(context_len, device=device)[None])
     return io.logits(hidden[0, 1:]).argmax(-1).tolist()
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def speculative_generate(target: PreTrainedModel, drafter: DFlashDraftModel | None, io: TargetIO,
                          prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
                          block_size: int | None = None) -> tuple[list[int], int]:
@@ -63,36 +167,34 @@ def speculative_generate(target: PreTrainedModel, drafter: DFlashDraftModel | No
 
     Without a drafter every forward yields one token: plain greedy decoding.
     """
-    device = io.embed_weight.device
     block_size = 1 if drafter is None else (block_size or drafter.block_size)
-
-    def target_greedy(ids: list[int], keep: int) -> tuple[list[int], torch.Tensor | None]:
-        """The target's greedy next token at each of the last ``keep`` positions, and the
-        drafter's context features of every position."""
-        input_ids = torch.tensor([ids], device=device)
-        if drafter is None:
-            logits, features = target(input_ids=input_ids, use_cache=False, logits_to_keep=keep).logits, None
-        else:
-            logits, features = forward_features(target, input_ids, drafter.target_layer_ids)
-        return logits[0, -keep:].argmax(-1).tolist(), features
-
-    greedy, features = target_greedy(prompt_ids, 1)
-    new, forwards = greedy, 1
-    while new[-1] not in stop_ids and len(new) < max_new_tokens:
-        last = len(prompt_ids) + len(new) - 1  # position of the newest token, the block's anchor
-        # Never draft past max_new_tokens: a fully accepted block yields num_draft + 1 tokens.
-        num_draft = min(block_size, max_new_tokens - len(new)) - 1
-        draft = propose(drafter, io, features[:, :last], new[-1], num_draft) if num_draft else []
-        # The target's token after the anchor and after each drafted token.
-        verified, features = target_greedy(prompt_ids + new + draft, num_draft + 1)
-        forwards += 1
-        accepted = 0
-        while accepted < num_draft and draft[accepted] == verified[accepted]:
-            accepted += 1
-        for token in verified[:accepted + 1]:
-            new.append(token)
-            if token in stop_ids:
-                break
+    with CachedTarget(target, None if drafter is None else drafter.target_layer_ids) as cached:
+        new, features = cached.forward(prompt_ids, 1)
+        cached.keep(len(prompt_ids), len(prompt_ids))
+        forwards, context_kv = 1, None
+        while new[-1] not in stop_ids and len(new) < max_new_tokens:
+            last = len(prompt_ids) + len(new) - 1  # position of the newest token, the block's anchor
+            if drafter is not None:
+                # The features of the tokens accepted since the last block, up to the anchor.
+                context_kv = append_context(drafter, context_kv, features, last - features.shape[1])
+            # Never draft past max_new_tokens: a fully accepted block yields num_draft + 1 tokens.
+            num_draft = min(block_size, max_new_tokens - len(new)) - 1
+            draft = propose(drafter, io, context_kv, last, new[-1], num_draft) if num_draft else []
+            # The target's token after the anchor and after each drafted token.
+            verified, features = cached.forward([new[-1]] + draft, num_draft + 1)
+            forwards += 1
+            accepted = 0
+            while accepted < num_draft and draft[accepted] == verified[accepted]:
+                accepted += 1
+            for token in verified[:accepted + 1]:
+                new.append(token)
+                if token in stop_ids:
+                    break
+            if new[-1] in stop_ids or len(new) >= max_new_tokens:
+                break  # no block follows: nothing to roll back
+            cached.keep(num_draft + 1, accepted + 1)
+            if features is not None:
+                features = features[:, :accepted + 1]
     return new, forwards
 
 
@@ -105,42 +207,62 @@ def summarize(samples: list[dict]) -> dict:
             "forwards_saved_share": (tokens - forwards) / tokens if tokens else 0.0}
 
 
-def evaluate(target_dir: Path, drafter_dir: Path | None, prompts: list[dict], cfg: dict, tokenizer, *,
-             init_only: bool = False, log: logging.Logger | None = None) -> dict:
-    """Speculative-decode every prompt; ``drafter_dir=None`` is plain greedy decoding and
-    ``init_only=True`` uses an untrained drafter with the config of ``drafter_dir``.
-
-    Returns ``{"overall": {...}, "per_category": {category: {...}}, "samples": [...]}`` where each
-    summary has ``acceptance_length, prompts, target_forwards, tokens`` and each sample ``id,
-    category, acceptance_length, tokens, target_forwards, output_ids``.
-    """
-    log = log or logging.getLogger(__name__)
+def settings(cfg: dict) -> dict:
+    """``cfg`` checked and completed with the defaults."""
     unknown = sorted(set(cfg) - set(DEFAULTS))
     if unknown:
         raise ValueError(f"unknown eval settings: {unknown}")
     cfg = {**DEFAULTS, **cfg}
     if cfg["max_new_tokens"] < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {cfg['max_new_tokens']}")
-    device = pick_device(cfg["device"])
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype="auto").to(device).eval()
+    return cfg
+
+
+def load_target(target_dir: Path, cfg: dict) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(target_dir, dtype="auto").to(pick_device(cfg["device"])).eval()
+
+
+def encode_prompts(prompts: list[dict], tokenizer) -> list[list[int]]:
+    """Each held-out prompt rendered as the pipeline renders its training prompts, as token ids."""
+    encoded = []
+    for prompt in prompts:
+        try:
+            text = render(prompt["messages"], prompt.get("tools"), tokenizer, thinking=True)
+        except ValueError as e:
+            raise ValueError(f"held-out prompt {prompt['id']}: {e}") from None
+        encoded.append(tokenizer.encode(text, add_special_tokens=False))
+    return encoded
+
+
+def evaluate(target_dir: Path, drafter_dir: Path | None, prompts: list[dict], cfg: dict, tokenizer, *,
+             init_only: bool = False, log: logging.Logger | None = None, target: PreTrainedModel | None = None,
+             prompt_ids: list[list[int]] | None = None) -> dict:
+    """Speculative-decode every prompt; ``drafter_dir=None`` is plain greedy decoding and
+    ``init_only=True`` uses an untrained drafter with the config of ``drafter_dir``. ``target``
+    (the model of ``target_dir``) and ``prompt_ids`` (:func:`encode_prompts`) let several
+    evaluations load and render once.
+
+    Returns ``{"overall": {...}, "per_category": {category: {...}}, "samples": [...]}`` where each
+    summary has ``acceptance_length, prompts, target_forwards, tokens`` and each sample ``id,
+    category, acceptance_length, tokens, target_forwards, output_ids``.
+    """
+    log = log or logging.getLogger(__name__)
+    cfg = settings(cfg)
+    target = load_target(target_dir, cfg) if target is None else target
+    prompt_ids = encode_prompts(prompts, tokenizer) if prompt_ids is None else prompt_ids
     drafter = None
     if drafter_dir is not None:
         drafter, config = untrained_drafter(drafter_dir, cfg["seed"]) if init_only else load_drafter(drafter_dir)
         check_drafter(drafter, config, target, drafter_dir, cfg["block_size"])
-        drafter = drafter.to(device, target.dtype).eval()
+        drafter = drafter.to(target.device, target.dtype).eval()
     io = TargetIO.from_model(target)
     stop_ids = stop_token_ids(tokenizer, target.generation_config)
     log.info("evaluating %s with drafter %s%s on %d prompts, stop ids %s", target_dir, drafter_dir,
              " (untrained)" if init_only else "", len(prompts), sorted(stop_ids))
 
     samples = []
-    for prompt in progress(prompts, desc="spec decode"):
-        try:
-            text = render(prompt["messages"], prompt.get("tools"), tokenizer, thinking=True)
-        except ValueError as e:
-            raise ValueError(f"held-out prompt {prompt['id']}: {e}") from None
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
-        out, forwards = speculative_generate(target, drafter, io, prompt_ids, cfg["max_new_tokens"], stop_ids,
+    for prompt, ids in zip(progress(prompts, desc="spec decode"), prompt_ids, strict=True):
+        out, forwards = speculative_generate(target, drafter, io, ids, cfg["max_new_tokens"], stop_ids,
                                              cfg["block_size"])
         samples.append({"id": prompt["id"], "category": prompt["category"],
                         "acceptance_length": len(out) / forwards, "tokens": len(out),
@@ -182,8 +304,9 @@ def run_eval(checkpoint: Path, target_dir: Path, heldout: Path, out: Path, cfg: 
     if not prompts:
         raise ValueError(f"{heldout}: no held-out prompts to evaluate (mark some source records split: heldout)")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    trained = evaluate(target_dir, checkpoint, prompts, cfg, tokenizer)
-    untrained = evaluate(target_dir, checkpoint, prompts, cfg, tokenizer, init_only=True)
+    loaded = {"target": load_target(target_dir, settings(cfg)), "prompt_ids": encode_prompts(prompts, tokenizer)}
+    trained = evaluate(target_dir, checkpoint, prompts, cfg, tokenizer, **loaded)
+    untrained = evaluate(target_dir, checkpoint, prompts, cfg, tokenizer, init_only=True, **loaded)
     if [s["output_ids"] for s in trained["samples"]] != [s["output_ids"] for s in untrained["samples"]]:
         raise RuntimeError("speculative decoding is not lossless: trained and untrained drafters decoded differently")
     result = {

@@ -56,8 +56,9 @@ def capture_layers(model, layer_ids: list[int]):
 
 
 @torch.no_grad()
-def forward_features(model, input_ids: torch.Tensor, layer_ids: list[int], logits: bool = True):
-    """One target forward: (logits [B, T, V] or None, features [B, T, k, H]).
+def forward_features(model, input_ids: torch.Tensor, layer_ids: list[int], logits: bool = True, **model_kwargs):
+    """One target forward: (logits [B, T, V] or None, features [B, T, k, H]); ``model_kwargs``
+    (a KV cache, logits_to_keep) go to the model's forward, which runs without a cache by default.
 
     Features are stacked in ``layer_ids`` order, in the model's dtype. The last decoder layer's
     entry in transformers' ``hidden_states`` is taken after the final norm, so the same is done
@@ -66,7 +67,7 @@ def forward_features(model, input_ids: torch.Tensor, layer_ids: list[int], logit
     base = base_model(model)
     with capture_layers(model, layer_ids) as captured:
         if logits:
-            lg = model(input_ids=input_ids, use_cache=False).logits
+            lg = model(input_ids=input_ids, **{"use_cache": False, **model_kwargs}).logits
         else:
             base(input_ids=input_ids, use_cache=False)
             lg = None

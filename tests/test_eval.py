@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Con
 from dflash.drafter import TargetIO, load_drafter
 from dflash.eval import evaluate, speculative_generate, untrained_drafter
 from dflash.chat import stop_token_ids
+from dflash.hidden import forward_features
 from dflash.train import train
 from test_drafter import reference  # noqa: F401 - the fixture with the reference wheel's model.py
 from test_train import LAYER_IDS, TRAIN_CFG, make_target, write_shards
@@ -60,6 +61,43 @@ def plain_greedy(model, ids: list[int], max_new_tokens: int, stop_ids: set[int])
         with torch.no_grad():
             new.append(int(model(input_ids=torch.tensor([ids + new]), use_cache=False).logits[0, -1].argmax()))
     return new
+
+
+@torch.no_grad()
+def full_recompute_decode(target, drafter, io, prompt: list[int], max_new_tokens: int, stop_ids: set[int],
+                          block_size: int | None = None) -> tuple[list[int], int]:
+    """The oracle: speculative decoding without caches, as the evaluator did it before it kept
+    them. Every step is one cache-free target forward over the whole sequence, and the drafter's
+    plain forward over the whole prefix's features."""
+    block_size = 1 if drafter is None else (block_size or drafter.block_size)
+
+    def target_greedy(ids: list[int], keep: int):
+        if drafter is None:
+            return target(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -keep:].argmax(-1).tolist(), None
+        logits, features = forward_features(target, torch.tensor([ids]), drafter.target_layer_ids)
+        return logits[0, -keep:].argmax(-1).tolist(), features
+
+    new, features = target_greedy(prompt, 1)
+    forwards = 1
+    while new[-1] not in stop_ids and len(new) < max_new_tokens:
+        last = len(prompt) + len(new) - 1
+        num_draft = min(block_size, max_new_tokens - len(new)) - 1
+        draft = []
+        if num_draft:
+            block = torch.tensor([[new[-1]] + [drafter.mask_token_id] * num_draft])
+            hidden = drafter(io.embed(block), torch.arange(last, last + num_draft + 1)[None], features[:, :last],
+                             torch.arange(last)[None])
+            draft = io.logits(hidden[0, 1:]).argmax(-1).tolist()
+        verified, features = target_greedy(prompt + new + draft, num_draft + 1)
+        forwards += 1
+        accepted = 0
+        while accepted < num_draft and draft[accepted] == verified[accepted]:
+            accepted += 1
+        for token in verified[:accepted + 1]:
+            new.append(token)
+            if token in stop_ids:
+                break
+    return new, forwards
 
 
 @pytest.fixture(scope="module")
@@ -157,8 +195,8 @@ def test_block_size_larger_than_trained_is_refused(tiny_target_dir, tokenizer, t
 
 
 def test_same_tokens_and_steps_as_reference_generate(reference, tmp_path, monkeypatch):
-    """The wheel's cached ``dflash_generate`` (on a plain Qwen3 target, whose KV cache can be
-    cropped) and our cache-free loop draft, accept and emit the same tokens step for step."""
+    """The wheel's cached ``dflash_generate`` (on a plain Qwen3 target, whose KV cache it can
+    crop) and ours draft, accept and emit the same tokens step for step."""
     monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)  # its stats timer syncs CUDA
     torch.manual_seed(0)
     target = Qwen3ForCausalLM(Qwen3Config(
@@ -184,3 +222,59 @@ def test_same_tokens_and_steps_as_reference_generate(reference, tmp_path, monkey
         assert forwards - 1 == len(expected.acceptance_lengths)  # its prefill is not a step
         steps += expected.acceptance_lengths
     assert 1 in steps and 4 in steps and len(steps) < 3 * 39
+
+
+@pytest.fixture(scope="module")
+def half_trained_drafter(tiny_target_dir, tiny_target, answers, tmp_path_factory):
+    """Briefly trained, with a sliding-attention layer whose window is shorter than the prompts:
+    blocks are accepted fully, in part and not at all, so the caches are rolled back at every
+    acceptance length."""
+    rows = [(ids + answer, [0] * len(ids) + [1] * len(answer)) for ids, answer in answers.values()]
+    work = tmp_path_factory.mktemp("half")
+    tok, hid = write_shards(tiny_target, work, rows, LAYER_IDS)
+    train([tok], [hid], tiny_target_dir, work / "drafter",
+          {**TRAIN_CFG, "mask_token_id": MASK_ID, "layer_types": ["sliding_attention", "full_attention"],
+           "sliding_window": 6, "steps": 30})
+    return work / "drafter"
+
+
+def test_cached_decoding_matches_full_recompute(tiny_target, answers, trained_drafter, half_trained_drafter):
+    """The cached decoder (the target's keys, values and rolled-back linear-attention states, the
+    drafter's context keys and values) emits the same tokens in the same number of target forwards
+    as full recomputation, for every kind of drafter, block size, stop and length limit."""
+    io = TargetIO.from_model(tiny_target)
+    drafters = {"none": None, "untrained": untrained_drafter(trained_drafter)[0].eval(),
+                "trained": load_drafter(trained_drafter)[0].eval(),
+                "half": load_drafter(half_trained_drafter)[0].eval()}
+    g = torch.Generator().manual_seed(5)
+    prompts = [ids for ids, _ in answers.values()] + [torch.randint(4, 200, (n,), generator=g).tolist()
+                                                        for n in (3, 9, 17)]
+    ratios = set()
+    for name, drafter in drafters.items():
+        for ids in prompts:
+            for max_new, stop, block_size in ((ANSWER_TOKENS, set(), None), (11, set(), None), (30, set(), 3),
+                                              (ANSWER_TOKENS, {answers["w"][1][5]}, None)):
+                if drafter is None and block_size:
+                    continue
+                expected = full_recompute_decode(tiny_target, drafter, io, ids, max_new, stop, block_size)
+                got = speculative_generate(tiny_target, drafter, io, ids, max_new, stop, block_size)
+                assert got == expected, (name, ids, max_new, stop, block_size)
+                ratios.add(round(len(got[0]) / got[1], 2))
+    # Acceptance from none to whole blocks: every rollback length was exercised.
+    assert min(ratios) < 1.2 and max(ratios) > 2.5 and len(ratios) > 10
+
+
+def test_drafter_cached_context_matches_forward(half_trained_drafter):
+    drafter = load_drafter(half_trained_drafter)[0].eval()
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(1, 13, 2, 64, generator=g)
+    block = torch.randn(1, 4, 64, generator=g)
+    positions = torch.arange(13, 17)[None]
+    with torch.no_grad():
+        plain = drafter(block, positions, features, torch.arange(13)[None])
+        # Appended in two parts, as decoding does.
+        kv = [(torch.cat([k1, k2], 2), torch.cat([v1, v2], 2)) for (k1, v1), (k2, v2) in zip(
+            drafter.context_keys_values(features[:, :8], torch.arange(8)[None]),
+            drafter.context_keys_values(features[:, 8:], torch.arange(8, 13)[None]))]
+        cached = drafter.forward_cached(block, positions, kv, torch.arange(13)[None])
+    torch.testing.assert_close(cached, plain, rtol=1e-5, atol=1e-5)
