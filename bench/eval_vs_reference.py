@@ -25,11 +25,20 @@ Timing: --rounds rounds (>= 5), each decoding the same prompts (--prompts N: the
 all) with both, the order alternating between rounds (the last round's outputs are the ones
 checked; plain greedy is decoded once after the rounds); per round the ratio ours / reference,
 the median of the ratios reported, in wall time and in CPU time of the process (steadier on a
-shared machine). A second figure adds model loading (target + drafter, from disk, as each side
+shared machine). Where the outputs differ (the reference on a hybrid target) the two sides decode
+different numbers of tokens, so a figure per generated token is printed too (per round, each
+side's decode time over its tokens). A second figure adds model loading (target + drafter, from disk, as each side
 loads them; timed in every round too) to each side's decode time.
+
+--attention-only compares the two where the reference is correct too, like for like: instead of the
+run's hybrid target and its drafter, a full-attention (``qwen3``) variant of the demo target, built
+and taught as the run's config builds its own (``architecture: qwen3``), and a drafter trained on
+its features of the run's tokenized shards with the run's drafter and train settings, as the
+pipeline trains one (built once into --work, about 5 minutes on 2 cores, and reused).
 
 Usage: python bench/eval_vs_reference.py [RESULTS_DIR] [--rounds 5] [--prompts N] [--threads N]
        [--reference PATH/TO/dflash/model.py] [--max-new-tokens 128] [--block-size B]
+       [--attention-only [--work DIR]]
 """
 from __future__ import annotations
 
@@ -51,7 +60,11 @@ from dflash.chat import stop_token_ids
 from dflash.config import load_config
 from dflash.drafter import TargetIO, load_drafter
 from dflash.eval import encode_prompts, load_target, speculative_generate
+from dflash.hidden import capture_shard
 from dflash.io import read_jsonl
+from dflash.target import build_target
+from dflash.train import train
+from dflash.workflow import demo_target_sources, drafter_train_cfg, layer_selection
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,6 +76,28 @@ def load_reference(path: Path):
     spec.loader.exec_module(module)
     module._cuda_time = time.perf_counter  # its stats timer syncs CUDA
     return module
+
+
+def attention_only_models(results: Path, config: dict, work: Path) -> tuple[Path, Path]:
+    """(target, drafter) folders of the full-attention variant (see the module docstring), built into
+    ``work`` unless already there."""
+    target_dir, drafter_dir = work / "target", work / "drafter"
+    if not target_dir.exists():
+        # The config's source paths are relative to the run's folder (results' parent).
+        sources = [results.resolve().parent / p for p in demo_target_sources(config)]
+        build_target(sources, target_dir, {**config["target"]["build"], "architecture": "qwen3"})
+    if (target_dir / "tokenizer.json").read_bytes() != (results / "target" / "tokenizer.json").read_bytes():
+        sys.exit(f"{target_dir}: its tokenizer is not the run's ({results / 'target'}), so the run's tokenized "
+                 "shards do not fit it")
+    if not drafter_dir.exists():
+        tokenized = sorted((results / "tokenized").glob("shard-*.safetensors"))
+        (work / "hidden").mkdir(parents=True, exist_ok=True)
+        hidden = [work / "hidden" / t.name for t in tokenized]
+        for t, h in zip(tokenized, hidden):
+            if not h.exists():
+                capture_shard(t, h, target_dir, layer_selection(config["drafter"]), config["hidden"]["dtype"])
+        train(tokenized, hidden, target_dir, drafter_dir, drafter_train_cfg(config, target_dir))
+    return target_dir, drafter_dir
 
 
 def load_ours(target_dir: Path, drafter_dir: Path):
@@ -117,6 +152,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the config's eval.max_new_tokens")
     ap.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
     ap.add_argument("--reference", type=Path, default=ROOT / ".cache/dflash-reference/dflash/model.py")
+    ap.add_argument("--attention-only", action="store_true",
+                    help="a full-attention variant of the run's target and a drafter trained for it")
+    ap.add_argument("--work", type=Path, default=ROOT / ".cache/bench-eval-attention-only",
+                    help="where --attention-only builds its target and drafter (reused)")
     args = ap.parse_args()
     if args.rounds < 5:
         ap.error("--rounds must be >= 5")
@@ -133,6 +172,8 @@ def main() -> None:
     if heldout is None or not drafter_dir.exists() or not (target_dir / "config.json").exists():
         sys.exit(f"{args.results}: no target/, checkpoints/{run}/ or prompts/heldout.jsonl.zst (run `make demo` first)")
     max_new_tokens = args.max_new_tokens or config["eval"]["max_new_tokens"]
+    if args.attention_only:
+        target_dir, drafter_dir = attention_only_models(args.results, config, args.work)
     reference = load_reference(args.reference)
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -168,7 +209,7 @@ def main() -> None:
             load, decode = sides[side]
             _, load_s = timed(load)
             outputs[side], decode_s = timed(decode)
-            times[side] = {"load": load_s, "decode": decode_s}
+            times[side] = {"load": load_s, "decode": decode_s, "tokens": sum(len(out) for out, _ in outputs[side])}
         rows.append(times)
         print(f"round {round_ + 1} ({' then '.join(times)}): decode ours {times['ours']['decode'][0]:.2f} s "
               f"(CPU {times['ours']['decode'][1]:.2f}), reference {times['reference']['decode'][0]:.2f} s "
@@ -201,11 +242,18 @@ def main() -> None:
         return statistics.median(sum(r["ours"][p][clock] for p in parts) / sum(r["reference"][p][clock] for p in parts)
                                  for r in rows)
 
-    print(f"\n{len(prompts)} prompts, {tokens} tokens per decode (ours), {args.rounds} rounds, "
+    def per_token(clock: int) -> float:
+        return statistics.median(r["ours"]["decode"][clock] / r["ours"]["tokens"]
+                                 / (r["reference"]["decode"][clock] / r["reference"]["tokens"]) for r in rows)
+
+    print(f"\n{len(prompts)} prompts, {tokens} tokens per decode (ours), "
+          f"{sum(len(r[0]) for r in ref)} (reference), {args.rounds} rounds, "
           f"median of per-round ratios ours / reference (below 1: ours faster):")
     for clock, c in (("wall", 0), ("CPU", 1)):
         print(f"  decode, {clock:4}            {ratio(('decode',), c):.3f}  (medians: ours "
               f"{median('ours', ('decode',), c):.2f} s, reference {median('reference', ('decode',), c):.2f} s)")
+        print(f"  decode per token, {clock:4}  {per_token(c):.3f}  (each side's decode time over the tokens it "
+              f"generated: they differ where the outputs do)")
         print(f"  loading + decode, {clock:4}  {ratio(('load', 'decode'), c):.3f}  (median loading: ours "
               f"{median('ours', ('load',), c):.2f} s, reference {median('reference', ('load',), c):.2f} s)")
 

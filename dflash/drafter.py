@@ -287,10 +287,14 @@ class DraftAttention(nn.Module):
 
     def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
-        """Queries from x [B, L, H] (rotated by cos/sin [B, L, D]) over keys/values [B, kv_heads, T, D]."""
+        """Queries from x [B, L, H] (rotated by cos/sin [B, L, D]) over keys/values [B, kv_heads, T, D];
+        ``mask`` None: every query sees every key."""
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, L, self.n_head, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim ** -0.5, enable_gqa=True)
+            return self.o_proj(y.transpose(1, 2).reshape(B, L, -1))
         # Repeat the kv heads by hand: SDPA's enable_gqa with a mask falls back to the math kernel.
         groups = self.n_head // self.n_kv_head
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -387,10 +391,17 @@ class DFlashDraftModel(nn.Module):
     def forward_cached(self, block_embeds: torch.Tensor, block_position_ids: torch.Tensor,
                        context_kv: list[tuple[torch.Tensor, torch.Tensor]],
                        context_position_ids: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` for decoding, with ``context_kv`` from :meth:`context_keys_values`
-        (positions ``context_position_ids`` [B, S]) instead of the features."""
+        """:meth:`forward` for decoding one block, with ``context_kv`` from :meth:`context_keys_values`
+        (positions ``context_position_ids`` [B, S], all before the block, as in decoding) instead of
+        the features."""
+        if block_embeds.shape[1] > self.block_size:
+            raise ValueError(f"forward_cached decodes one block of at most {self.block_size} tokens, "
+                             f"got {block_embeds.shape[1]}")
         cos, sin = self.rotary_emb(block_embeds, block_position_ids)
-        masks = self._masks(block_position_ids, context_position_ids, None)
+        # One block after its whole context: full attention sees every key, no mask to build.
+        masks = self._masks(block_position_ids, context_position_ids, None) \
+            if "sliding_attention" in self.config.layer_types else {}
+        masks["full_attention"] = None
         x = block_embeds
         for layer, kv in zip(self.layers, context_kv):
             x = layer.forward_cached(x, kv, cos, sin, masks[layer.self_attn.layer_type])

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, Qw
 
 from dflash.chat import render, stop_token_ids
 from dflash.drafter import DFlashDraftModel, TargetIO, load_drafter
-from dflash.hidden import decoder_layers, forward_features
+from dflash.hidden import capture_layers, decoder_layers, forward_features
 from dflash.train import pick_device
 from dflash.workflow import progress
 
@@ -84,23 +85,28 @@ class CachedTarget:
             self.modeling = modules.pop()
         self.rule_inputs: list[tuple] = []
         self.saved: list[torch.Tensor] = []
+        self.exits = ExitStack()
+        self.captured: dict | None = None
 
     def __enter__(self) -> CachedTarget:
+        if self.layer_ids is not None:
+            # Hooked once for the whole decode, not once per forward.
+            self.captured = self.exits.enter_context(capture_layers(self.target, self.layer_ids))
         if self.modeling is not None:
             # The layers call the rule by its module-level name: wrapping it there is the one way
             # to see its inputs without running the layer again. Undone on exit.
-            chunked = self.chunked = getattr(self.modeling, self.CHUNKED)
+            chunked = getattr(self.modeling, self.CHUNKED)
 
             def catch(query, key, value, *args, **kwargs):
                 self.rule_inputs.append((query, key, value, kwargs["g"], kwargs["beta"],
                                          kwargs.get("use_qk_l2norm_in_kernel", False)))
                 return chunked(query, key, value, *args, **kwargs)
             setattr(self.modeling, self.CHUNKED, catch)
+            self.exits.callback(setattr, self.modeling, self.CHUNKED, chunked)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.modeling is not None:
-            setattr(self.modeling, self.CHUNKED, self.chunked)
+        self.exits.close()
 
     def forward(self, ids: list[int], keep: int) -> tuple[list[int], torch.Tensor | None]:
         """Feed ``ids`` after the cached tokens: the greedy next token at each of the last ``keep``
@@ -116,7 +122,8 @@ class CachedTarget:
         if self.layer_ids is None:
             logits, features = self.target(input_ids=input_ids, **kwargs).logits, None
         else:
-            logits, features = forward_features(self.target, input_ids, self.layer_ids, **kwargs)
+            logits, features = forward_features(self.target, input_ids, self.layer_ids, captured=self.captured,
+                                                **kwargs)
         return logits[0, -keep:].argmax(-1).tolist(), features
 
     def keep(self, fed: int, kept: int) -> None:

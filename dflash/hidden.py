@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -56,23 +56,27 @@ def capture_layers(model, layer_ids: list[int]):
 
 
 @torch.no_grad()
-def forward_features(model, input_ids: torch.Tensor, layer_ids: list[int], logits: bool = True, **model_kwargs):
+def forward_features(model, input_ids: torch.Tensor, layer_ids: list[int], logits: bool = True,
+                     captured: dict | None = None, **model_kwargs):
     """One target forward: (logits [B, T, V] or None, features [B, T, k, H]); ``model_kwargs``
     (a KV cache, logits_to_keep) go to the model's forward, which runs without a cache by default.
+    ``captured``: the dict of a :func:`capture_layers` block the caller keeps open over many
+    forwards (a decode loop), so the hooks are not registered anew for each.
 
     Features are stacked in ``layer_ids`` order, in the model's dtype. The last decoder layer's
     entry in transformers' ``hidden_states`` is taken after the final norm, so the same is done
     here to keep ``features[..., j, :] == hidden_states[layer_ids[j] + 1]`` for every id.
     """
     base = base_model(model)
-    with capture_layers(model, layer_ids) as captured:
+    hooks = capture_layers(model, layer_ids) if captured is None else nullcontext(captured)
+    with hooks as outputs:
         if logits:
             lg = model(input_ids=input_ids, **{"use_cache": False, **model_kwargs}).logits
         else:
             base(input_ids=input_ids, use_cache=False)
             lg = None
     last = len(base.layers) - 1
-    feats = torch.stack([base.norm(captured[i]) if i == last else captured[i] for i in layer_ids], dim=2)
+    feats = torch.stack([base.norm(outputs[i]) if i == last else outputs[i] for i in layer_ids], dim=2)
     return lg, feats
 
 

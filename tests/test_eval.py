@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Con
 from dflash.drafter import TargetIO, load_drafter
 from dflash.eval import evaluate, speculative_generate, untrained_drafter
 from dflash.chat import stop_token_ids
-from dflash.hidden import forward_features
+from dflash.hidden import decoder_layers, forward_features
 from dflash.train import train
 from test_drafter import reference  # noqa: F401 - the fixture with the reference wheel's model.py
 from test_train import LAYER_IDS, TRAIN_CFG, make_target, write_shards
@@ -278,3 +278,14 @@ def test_drafter_cached_context_matches_forward(half_trained_drafter):
             drafter.context_keys_values(features[:, 8:], torch.arange(8, 13)[None]))]
         cached = drafter.forward_cached(block, positions, kv, torch.arange(13)[None])
     torch.testing.assert_close(cached, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_leaves_the_target_unhooked(tiny_target, answers, trained_drafter):
+    """The feature hooks live for one decode (not one forward) and are gone after it, even when it fails."""
+    drafter = load_drafter(trained_drafter)[0].eval()
+    io = TargetIO.from_model(tiny_target)
+    ids = answers["w"][0]
+    speculative_generate(tiny_target, drafter, io, ids, 12, set())
+    with pytest.raises(ValueError, match="one block"):
+        speculative_generate(tiny_target, drafter, io, ids, 12, set(), block_size=drafter.block_size + 1)
+    assert not any(layer._forward_hooks for layer in decoder_layers(tiny_target))
