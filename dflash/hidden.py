@@ -99,7 +99,12 @@ def cache_plan(config: dict, target_dir: str | Path, tokens: int) -> dict:
 
     from dflash.workflow import layer_selection
 
-    text = AutoConfig.from_pretrained(target_dir).get_text_config()
+    try:  # a folder, its config.json, or a hub name already in the local cache: nothing is downloaded
+        text = AutoConfig.from_pretrained(target_dir, local_files_only=True).get_text_config()
+    except OSError:
+        raise ValueError(f"{target_dir}: no model folder, config.json or cached hub model of that name on this "
+                         f"machine (nothing is downloaded to size a cache): pass --target the model's folder or "
+                         f"its config.json") from None
     layers = len(resolve_layer_ids(layer_selection(config["drafter"]), text.num_hidden_layers))
     dtype = config["hidden"]["dtype"]
     size = cache_bytes(tokens, layers, text.hidden_size, dtype)

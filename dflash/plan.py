@@ -115,13 +115,13 @@ def forecast(config: dict, counts: dict, pilot: dict | None = None, output_token
             row_tokens = prompts * pilot["records_per_prompt"] * kept * pilot["rows_per_record"] * pilot["tokens_per_row"]
         else:
             row_tokens = tokens  # prompt tokens unknown: at least the output tokens
-        if target and Path(target).is_dir():
+        if target and Path(target).exists():  # its folder or its config.json
             from dflash.hidden import cache_plan
 
             sizes["hidden"] = cache_plan(config, target, int(row_tokens))["text"]
         else:  # a hub name: nothing is downloaded to plan
             sizes["hidden"] = (f"{row_tokens:.3g} tokens; the target ({target}) is not on this machine: "
-                               f"`dflash cache-size --tokens {row_tokens:.3g} --target <its folder>` sizes the cache")
+                               f"`dflash cache-size --tokens {row_tokens:.3g} --target <its folder or config.json>` sizes the cache")
 
     training = "not measured: a finished training run's trainer_state.json gives its step rate"
     if trainer_state and trainer_state.get("seconds"):

@@ -94,3 +94,11 @@ def test_cache_size_of_the_real_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "1.64e+09 tokens x 5 layers x 5120 x 2 B = 84.0 TB" in out
     assert "above hidden.max_cache_bytes (20.0 TB)" in out and "train.hidden_states: online" in out
+    # its config.json alone will do; a hub name not on this machine is one line, offline
+    assert main(["cache-size", "--config", str(tmp_path / "c.yaml"), "--tokens", "1.64e9",
+                 "--target", str(tmp_path / "q36" / "config.json")]) == 0
+    assert "= 84.0 TB" in capsys.readouterr().out
+    assert main(["cache-size", "--config", str(tmp_path / "c.yaml"), "--tokens", "1.64e9",
+                 "--target", "Qwen/Qwen3.6-27B"]) != 0
+    err = capsys.readouterr().err
+    assert "Qwen/Qwen3.6-27B: no model folder, config.json or cached hub model" in err and "Traceback" not in err
