@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from contextlib import contextmanager
+from pathlib import Path
 
 EXPECTED = (ValueError, OSError, RuntimeError)  # OSError: missing files, full disks, unreachable servers
 
@@ -29,7 +31,14 @@ def describe(error: BaseException) -> str:
             f"traceback, and report it)")
 
 
-def install_job_hook(rule: str, wildcards: str, log_file: str) -> None:
+def failure_line(job: str, message: str, log_file: str | os.PathLike) -> str:
+    """A failed job's line on the console: its first line, and where the rest is."""
+    lines = message.split("\n")
+    more = f" ({len(lines) - 1} more lines in the log)" if len(lines) > 1 else ""
+    return f"rule {job}: {lines[0]}{more} [log: {log_file}]"
+
+
+def install_job_hook(job: str, log_file: str) -> None:
     """For a rule script whose stderr goes to its log: an uncaught error writes its traceback to
     the log and its one line to the console (the stderr Snakemake started the job with), where
     the run stops; the whole traceback goes there too when debugging is requested."""
@@ -41,10 +50,30 @@ def install_job_hook(rule: str, wildcards: str, log_file: str) -> None:
         console = sys.__stderr__
         if debug_requested():
             traceback.print_exception(kind, error, tb, file=console)
-        lines = describe(error).split("\n")
-        more = f" ({len(lines) - 1} more lines in the log)" if len(lines) > 1 else ""
-        where = f"rule {rule}" + (f" ({wildcards})" if wildcards else "")
-        print(f"{where}: {lines[0]}{more} [log: {log_file}]", file=console, flush=True)
-        print(f"{where} failed: {describe(error)}", file=sys.stderr, flush=True)
+        print(failure_line(job, describe(error), log_file), file=console, flush=True)
+        print(f"rule {job} failed: {describe(error)}", file=sys.stderr, flush=True)
 
     sys.excepthook = hook
+
+
+RANK_ERRORS = "DFLASH_RANK_ERRORS"  # the folder where torchrun's ranks leave their error's line for the launcher
+
+
+@contextmanager
+def rank_error_recorded():
+    """Around one torchrun process: an error leaves its line in the launcher's folder (the
+    traceback goes to the job's log with the other ranks' output; torchrun itself only says
+    "exit 1")."""
+    try:
+        yield
+    except Exception as error:
+        if folder := os.environ.get(RANK_ERRORS):
+            (Path(folder) / f"rank-{os.environ.get('RANK', '0')}").write_text(describe(error))
+        raise
+
+
+def first_rank_error(folder: str | os.PathLike) -> str | None:
+    """The error of the rank that failed first (the others' follow from it: a peer gone, a
+    timeout), as ``rank N: message``; None when no rank raised one (killed, crashed)."""
+    files = sorted(Path(folder).glob("rank-*"), key=lambda f: f.stat().st_mtime_ns)
+    return f"rank {files[0].name.removeprefix('rank-')}: {files[0].read_text()}" if files else None

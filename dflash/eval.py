@@ -268,7 +268,9 @@ def evaluate(target_dir: Path, drafter_dir: Path | None, prompts: list[dict], cf
              " (untrained)" if init_only else "", len(prompts), sorted(stop_ids))
 
     samples = []
-    for prompt, ids in zip(progress(prompts, desc="spec decode"), prompt_ids, strict=True):
+    # the eval job decodes twice, trained and untrained: the console lines say which
+    desc = "greedy decode" if drafter is None else f"spec decode, {'untrained' if init_only else 'trained'} drafter"
+    for prompt, ids in zip(progress(prompts, desc=desc, unit="prompt"), prompt_ids, strict=True):
         out, forwards = speculative_generate(target, drafter, io, ids, cfg["max_new_tokens"], stop_ids,
                                              cfg["block_size"])
         samples.append({"id": prompt["id"], "category": prompt["category"],

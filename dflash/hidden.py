@@ -159,7 +159,7 @@ def capture_shard(tokenized_path: Path, out_path: Path, target_dir: Path, layers
     fp8 = dtype == "float8_e4m3fn"
     scales = torch.empty((len(input_ids), len(layer_ids)), dtype=torch.float32) if fp8 else None
     t0 = time.time()
-    for r in progress(range(len(offsets) - 1), desc=f"hidden {Path(tokenized_path).stem}"):
+    for r in progress(range(len(offsets) - 1), desc=f"hidden {Path(tokenized_path).stem}", unit="row"):
         a, b = offsets[r].item(), offsets[r + 1].item()
         _, feats = forward_features(model, input_ids[a:b].long().unsqueeze(0), layer_ids, logits=False)
         if fp8:

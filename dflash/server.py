@@ -21,8 +21,9 @@ import urllib.request
 from pathlib import Path
 
 from dflash.config import render_command
+from dflash.errors import failure_line, install_job_hook
 from dflash.io import read_json, write_json
-from dflash.workflow import job_context, log_to
+from dflash.workflow import job_context, job_label, log_to
 
 log = logging.getLogger("dflash.server")  # not __main__ under python -m
 
@@ -218,7 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         _die_with_parent()
     log_to(a.log)
     log.info("serve: %s", job_context())
-    return serve(a.service, a.model, a.launch, a.index, a.server_log, a.served_model_name)
+    job = job_label("serve", {"server": a.service.stem})  # the rule's wildcard names its service file
+    install_job_hook(job, a.log)
+    code = serve(a.service, a.model, a.launch, a.index, a.server_log, a.served_model_name)
+    if code:  # the generate jobs waiting for it fail with the same reason
+        print(failure_line(job, read_json(a.service)["reason"], a.log), file=sys.__stderr__, flush=True)
+    return code
 
 
 if __name__ == "__main__":

@@ -164,7 +164,7 @@ def teach(model, rows, cfg: dict, pad_id: int) -> list[dict]:
 
     model.train()
     history, queue = [], []
-    bar = progress(range(steps), desc="teach target")
+    bar = progress(range(steps), desc="teach target", unit="step")
     for step in bar:
         if not queue:
             queue = rng.sample(batches, len(batches))

@@ -56,7 +56,11 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -73,8 +77,9 @@ from transformers import AutoConfig
 
 from dflash.hidden import cached_features, forward_features
 from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config, write_drafter_state
+from dflash.errors import RANK_ERRORS, first_rank_error, rank_error_recorded
 from dflash.io import atomic_dir, atomic_path
-from dflash.workflow import progress
+from dflash.workflow import CONSOLE_FD, job_console, progress
 
 REQUIRED = object()
 DEFAULTS: dict[str, Any] = {
@@ -486,8 +491,6 @@ class Distributed:
     generator and trains on its own slice, so rank 0's resume point serves every rank."""
 
     def __init__(self, device: torch.device):
-        import os
-
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.device = device
@@ -637,8 +640,9 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
         # queue behind the training step's kernels and contend for the GIL, so it runs in the loop
         ahead = cfg["prefetch"] if online is None else 0
         batches = outputs.enter_context(closing(prefetched(next_batch, steps - step0, ahead)))
-        for step, (batch, draws) in zip(progress(range(step0, steps), desc="train drafter", initial=step0,
-                                                 total=steps, disable=not main), batches):
+        bar = progress(range(step0, steps), desc="train drafter", unit="step", initial=step0, total=steps,
+                       disable=not main)  # one bar, one console story, for all ranks
+        for step, (batch, draws) in zip(bar, batches):
             batch = batch.to(device, non_blocking=pin)
             lr = lr_at(step, steps, cfg["lr"], cfg["warmup_ratio"], cfg["min_lr_ratio"])
             for group in optimizer.param_groups:
@@ -669,6 +673,7 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
                     log_file.flush()
                     log.info("step %d loss %.4f acc %.3f expected acceptance %.2f lr %.2e", step + 1, final_loss,
                              record["acc"], record["expected_acceptance"], lr)
+                    bar.set_postfix(loss=f"{final_loss:.3f}", refresh=False)
                 window = new_window(B)
             if cfg["save_every"] and (step + 1) % cfg["save_every"] == 0 and step + 1 < steps:
                 model_state, optim_state = dist.full_state(model, optimizer)
@@ -726,8 +731,29 @@ def log_record(step: int, loss: float, lr: float, window: dict) -> dict:
     }
 
 
+def train_processes(processes: int, tokenized: list[Path], hidden: list[Path], target_dir: Path, out_dir: Path,
+                    cfg: dict) -> None:
+    """``train`` in data-parallel processes, one per GPU (torchrun): their output goes to this
+    process's stderr (a job's log), rank 0's progress lines to its job's console, and a failure
+    is one error naming the rank that failed first and its reason."""
+    console = job_console()
+    with tempfile.TemporaryDirectory(prefix="dflash-ranks-") as errors:
+        # the ranks' stderr is the log from the start: their stdout is the console
+        env = {**os.environ, RANK_ERRORS: errors, **({CONSOLE_FD: "1"} if console else {})}
+        ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                f"--nproc_per_node={processes}", "-m", "dflash.train", "--cfg", json.dumps(cfg),
+                                "--tokenized", *map(str, tokenized), "--hidden", *map(str, hidden or []),
+                                "--target", str(target_dir), "--out", str(out_dir)],
+                               stdout=console or sys.stderr, stderr=sys.stderr, env=env)
+        if ranks.returncode:
+            first = first_rank_error(errors) or (f"torchrun exited with {ranks.returncode} and no rank raised an "
+                                                 f"error (killed or crashed: out of memory?)")
+            raise RuntimeError(f"training in {processes} processes failed: {first}\n(every rank's output is in the "
+                               f"log; a re-run resumes from the last resume point)")
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of each torchrun process (the train rule starts ``train.gpus`` of them)."""
+    """Entry point of each torchrun process (``train_processes`` starts them)."""
     import argparse
 
     from dflash.workflow import setup_logging
@@ -740,7 +766,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     setup_logging()
-    train(a.tokenized, a.hidden, a.target, a.out, json.loads(a.cfg), logging.getLogger("dflash.train"))
+    with rank_error_recorded():
+        train(a.tokenized, a.hidden, a.target, a.out, json.loads(a.cfg), logging.getLogger("dflash.train"))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Glue shared by the Snakefile, the rule scripts and the CLI: paths, logging, threads."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -56,22 +57,47 @@ def job_context() -> str:
             + f", CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}")
 
 
+JOB = "DFLASH_JOB"  # the rule's job ("generate (shard=00003)"), set by start_job, inherited by its processes
+CONSOLE_FD = "DFLASH_CONSOLE_FD"  # the console of a process whose stderr is the log from the start (a rank)
+PROGRESS_SECONDS = "DFLASH_PROGRESS_SECONDS"
+
+
+def job_label(rule: str, wildcards: dict) -> str:
+    """A job as the console names it: ``generate (shard=00003)``."""
+    return rule + (f" ({', '.join(f'{k}={v}' for k, v in wildcards.items())})" if wildcards else "")
+
+
+@functools.cache
+def _console_fd(fd: int):
+    return open(fd, "w", buffering=1, closefd=False)
+
+
+def job_console():
+    """Where a rule's job talks to the user, when its stderr goes to its log: the stderr Snakemake
+    started it with. None outside a rule's job (the CLI's stderr is the console already)."""
+    if os.environ.get(CONSOLE_FD):
+        return _console_fd(int(os.environ[CONSOLE_FD]))
+    return sys.__stderr__ if sys.stderr is not sys.__stderr__ else None
+
+
 def notice(logger: logging.Logger, message: str) -> None:
     """A warning worth seeing although the job succeeds: in its log, and on the console when the
     log is a rule's (Snakemake shows a log only when the job fails)."""
     logger.warning(message)
-    if sys.stderr is not sys.__stderr__:
-        print(f"warning: {message}", file=sys.__stderr__, flush=True)
+    if console := job_console():
+        print(f"warning: {message}", file=console, flush=True)
 
 
 def start_job(snakemake) -> None:
     """First call of every rule script: logging into the rule's log, failures as one line on the
-    console (the traceback in the log), torch threads."""
+    console (the traceback in the log), progress lines on the console, torch threads."""
     from dflash.errors import install_job_hook
 
     log_to(snakemake.log[0])
     logging.getLogger("dflash.job").info("rule %s: %s", snakemake.rule, job_context())
-    install_job_hook(snakemake.rule, ", ".join(f"{k}={v}" for k, v in snakemake.wildcards.items()), snakemake.log[0])
+    os.environ[JOB] = job_label(snakemake.rule, dict(snakemake.wildcards.items()))
+    install_job_hook(os.environ[JOB], snakemake.log[0])
+    progress_seconds()  # a bad value fails the job now, not when its first long stage starts
     set_threads(snakemake.threads)
 
 
@@ -94,13 +120,106 @@ def layer_selection(drafter_cfg: dict) -> dict:
 
 
 def progress(iterable=None, **kwargs):
-    """tqdm that stays readable in a log file: in a file it redraws every 15 s, not every step."""
-    from tqdm import tqdm
-
+    """tqdm that stays readable in a log file: in a file it redraws every 15 s, not every step.
+    In a rule's job it also prints a plain line on the console (Snakemake shows the log only when
+    the job fails) every ``DFLASH_PROGRESS_SECONDS`` (30; 0: none): done, rate, ETA and the bar's
+    postfix; one when it starts and one with the total time when it ends."""
     interactive = sys.stderr.isatty()
     kwargs.setdefault("mininterval", 1 if interactive else 15)
     kwargs.setdefault("disable", None if interactive else False)
-    return tqdm(iterable, **kwargs)
+    console, every = job_console(), progress_seconds()
+    if console is None or not every or not os.environ.get(JOB):
+        from tqdm import tqdm
+
+        return tqdm(iterable, **kwargs)
+    # a loop over the bar only calls update() when the bar redraws
+    kwargs["mininterval"] = min(kwargs["mininterval"], every)
+    return _console_bar()(iterable, console=console, every=every, job=os.environ[JOB], **kwargs)
+
+
+def progress_seconds() -> float:
+    value = os.environ.get(PROGRESS_SECONDS, "30")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1
+    if seconds < 0:
+        raise ValueError(f"{PROGRESS_SECONDS}={value!r}: give the seconds between progress lines on the "
+                         f"console (0: none)")
+    return seconds
+
+
+@functools.cache
+def _console_bar():
+    from tqdm import tqdm
+
+    class ConsoleBar(tqdm):
+        """The bar in the job's log, and its story in plain lines on the console."""
+
+        def __init__(self, iterable=None, *, console, every: float, job: str, **kwargs):
+            self._console = None  # a disabled bar (training's other ranks) says nothing
+            super().__init__(iterable, **kwargs)
+            if not self.disable:
+                self._console, self._every, self._job = console, every, job
+                self._said = self._time()
+                self._say(f"{self._done()}, {'resumed' if self.n else 'started'}")
+
+        def update(self, n=1):
+            shown = super().update(n)
+            if self._console is not None and self._time() - self._said >= self._every:
+                self._said = self._time()
+                d = self.format_dict
+                rate = d["rate"] or self._average_rate()
+                eta = f", ETA {duration((self.total - self.n) / rate)}" if rate and self.total else ""
+                self._say(f"{self._done()}, {rate_text(rate, self.unit)}{eta}" if rate else self._done())
+            return shown
+
+        def close(self):
+            if self._console is not None and not self.disable:
+                ended = "done in" if not self.total or self.n >= self.total else "stopped after"
+                rate = self._average_rate()
+                self._say(f"{self._done()} {ended} {duration(self.format_dict['elapsed'])}"
+                          + (f", {rate_text(rate, self.unit)}" if rate else ""))
+                self._console = None
+            super().close()
+
+        def _done(self) -> str:
+            units = plural(self.unit)
+            if self.total:
+                return f"{self.n:,}/{self.total:,} {units} ({int(100 * self.n / self.total)}%)"
+            return f"{self.n:,} {units}"
+
+        def _average_rate(self) -> float | None:
+            elapsed = self.format_dict["elapsed"]
+            return (self.n - self.initial) / elapsed if elapsed and self.n > self.initial else None
+
+        def _say(self, text: str) -> None:
+            postfix = ", ".join(p.replace("=", " ", 1) for p in (self.postfix or "").split(", ") if p)
+            print(f"[{self._job}] {self.desc} {text}" + (f", {postfix}" if postfix else ""), file=self._console,
+                  flush=True)
+
+    return ConsoleBar
+
+
+def plural(unit: str) -> str:
+    return unit if unit == "it" or unit.endswith("s") else unit + "s"
+
+
+def rate_text(per_second: float, unit: str) -> str:
+    """3.1 steps/s, or 12.5 s/step when slower than one a second."""
+    if per_second >= 1:
+        return f"{per_second:,.{0 if per_second >= 100 else 1}f} {plural(unit)}/s"
+    return f"{1 / per_second:,.1f} s/{unit}"
+
+
+def duration(seconds: float) -> str:
+    """42s, 15m02s, 2h05m."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def drafter_train_cfg(config: dict, target: str | Path) -> dict:
