@@ -6,6 +6,7 @@ validated config file, so one shard can be run or debugged by hand.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -109,6 +110,17 @@ def _adopt(a) -> int:
     print(f"{a.out}: {counts.get('records', 0)} completion records; "
           + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k != "records"), file=sys.stderr)
     return 0
+
+
+def _check_tools(a) -> int:
+    from dflash.check import check_tools, default_gates, render
+    from dflash.inspect import check_filters
+
+    check_filters(category=[a.category])
+    gates = load_config(a.config)["gates"] if a.config else default_gates()
+    result = check_tools(a.output_dir, gates, a.category, a.examples)
+    print(json.dumps(result, indent=1, ensure_ascii=False) if a.json else render(result))
+    return 3 if result["verdict"] == "not usable" else 0
 
 
 def _cache_size(cfg, a):
@@ -246,6 +258,23 @@ def parser() -> argparse.ArgumentParser:
                        help="category of lines that carry none (default: other)")
     adopt.add_argument("--no-thinking", action="store_true", help="requests without enable_thinking had it off")
     adopt.set_defaults(run=_adopt)
+    check = sub.add_parser("check", parents=[common], help="answers about a run's outputs, verdict first",
+                           description="Answers about a run's outputs (local or s3://), verdict first.")
+    checks = check.add_subparsers(dest="what", required=True, metavar="WHAT")
+    tools = checks.add_parser(
+        "tools", parents=[common], help="can the tool records teach calling tools? (exit 3: not usable)",
+        description="Whether a finished run's tool records (or another --category's) are usable: a verdict line "
+                    "(usable / usable with caveats / not usable, exit status 3) with the numbers behind it, then "
+                    "records kept and rejected by reason, kept records that call a tool, answer in prose or "
+                    "refuse, calls per tool against the tools offered, the argument-schema pass rate, how "
+                    "replayed conversations ended, tag loops, and examples of each.")
+    tools.add_argument("output_dir", help="the run's output_dir: results, or s3://bucket/prefix/results")
+    tools.add_argument("--category", default="tool", help="the category to check (default: tool)")
+    tools.add_argument("--config", type=Path, help="read the gates' thresholds from this config "
+                                                   "(default: the schema's defaults)")
+    tools.add_argument("--examples", type=int, default=3, help="examples per class (default 3; 0: none)")
+    tools.add_argument("--json", action="store_true", help="everything as one JSON object")
+    tools.set_defaults(run=_check_tools)
     return p
 
 

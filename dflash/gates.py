@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from dflash.io import human_bytes, read_json, write_json
-from dflash.validate import EXAMPLES_PER_REASON, LENGTH_BINS, length_stats
+from dflash.validate import EXAMPLES_PER_REASON, LENGTH_BINS, TOOL_CATEGORY, length_stats
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,13 @@ def evaluate_gates(summary: dict, gates: dict, cache: dict | None = None) -> lis
         value = worst[1]["reject_rate"] if worst[0] else 0.0
         verdict("max_category_reject_rate", value, value <= gates["max_category_reject_rate"],
                 f"{_pct(value)} of category {worst[0]!r} rejected (limit {_pct(gates['max_category_reject_rate'])})")
+    if gates["min_tool_call_share"] is not None and TOOL_CATEGORY in summary["categories"]:
+        counts = summary["categories"][TOOL_CATEGORY]
+        calling, kept = counts.get("kept_calling_tool", 0), counts.get("kept", 0)
+        value = calling / kept if kept else 0.0
+        verdict("min_tool_call_share", value, value >= gates["min_tool_call_share"],
+                f"{calling} of {kept} kept {TOOL_CATEGORY!r} records call a tool ({_pct(value)}, minimum "
+                f"{_pct(gates['min_tool_call_share'])})")
     if gates["max_trivial_share"] is not None:
         trivial = summary["checks"].get("trivial", {"total": 0})["total"]
         value = trivial / summary["records"] if summary["records"] else 0.0
@@ -143,9 +150,12 @@ def run_gates(summary_path: Path, out_path: Path, gates: dict, cache: dict | Non
         (log.info if v["passed"] else log.error)("%s: %s", "pass" if v["passed"] else "FAIL", v["message"])
     failed = [v["message"] for v in verdicts if not v["passed"]]
     if failed:
-        qa_page = Path(summary_path).parent.parent / "report" / "qa.html"
+        output_dir = Path(summary_path).parent.parent
+        tools = any(v["gate"] == "min_tool_call_share" or TOOL_CATEGORY in v["message"]
+                    for v in verdicts if not v["passed"])
         raise GateError("quality gate failed, no hidden-state or training job will run:\n  " + "\n  ".join(failed)
+                        + (f"\n  `dflash check tools {output_dir}` shows what the tool records do" if tools else "")
                         + f"\n(thresholds: config gates; counts and examples per check: {summary_path}, "
-                        f"or the page `snakemake {qa_page}`)")
+                        f"or the page `snakemake {output_dir / 'report' / 'qa.html'}`)")
     write_json(out_path, {"gates": verdicts})
     return verdicts

@@ -112,6 +112,21 @@ def type_xml_arguments(arguments: dict[str, str], parameters: dict | None) -> di
     return typed
 
 
+def call_problems(name: str, arguments, offered: dict[str, dict]) -> list[tuple[str, str]]:
+    """(reason code, detail) of each way one parsed call fails the offered tools (name -> function):
+    none offered, a name not among them, or arguments against the tool's JSON Schema."""
+    if not offered:
+        return [("tool_without_tools", f"called {name} but no tools were offered")]
+    if name not in offered:
+        return [("tool_unknown_name", f"{name} is not among the offered tools ({', '.join(offered)})")]
+    if not isinstance(arguments, dict):
+        return [("tool_args_schema", f"{name}: arguments are not an object")]
+    schema = offered[name].get("parameters") or {}
+    return [("tool_missing_required" if error.validator == "required" else "tool_args_schema",
+             f"{name}: {'.'.join(map(str, error.absolute_path)) or 'arguments'}: {error.message}")
+            for error in _validator(json.dumps(schema, sort_keys=True)).iter_errors(arguments)]
+
+
 def check_tool_calls(content: str, reasoning: str | None, tools: list | None,
                      fmt: str = "auto") -> tuple[list[dict], dict[str, str]]:
     """(calls with typed arguments, problems: reason code -> first detail) of one generation.
@@ -166,20 +181,8 @@ def check_tool_calls(content: str, reasoning: str | None, tools: list | None,
                     problems.setdefault("tool_bad_json", f"arguments of {name} are not JSON: {arguments[:80]!r}")
                     continue
         calls.append({"name": name, "arguments": arguments})
-        if not offered:
-            problems.setdefault("tool_without_tools", f"called {name} but no tools were offered")
-            continue
-        if name not in offered:
-            problems.setdefault("tool_unknown_name", f"{name} is not among the offered tools ({', '.join(offered)})")
-            continue
-        schema = offered[name].get("parameters") or {}
-        if not isinstance(arguments, dict):
-            problems.setdefault("tool_args_schema", f"{name}: arguments are not an object")
-            continue
-        for error in _validator(json.dumps(schema, sort_keys=True)).iter_errors(arguments):
-            code = "tool_missing_required" if error.validator == "required" else "tool_args_schema"
-            where = ".".join(map(str, error.absolute_path)) or "arguments"
-            problems.setdefault(code, f"{name}: {where}: {error.message}")
+        for code, detail in call_problems(name, arguments, offered):
+            problems.setdefault(code, detail)
     if bodies and content[end:].strip():
         problems["text_after_tool_call"] = f"text after the last call: {content[end:].strip()[:80]!r}"
     return calls, problems

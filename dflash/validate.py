@@ -99,6 +99,12 @@ def encoding_problem(text: str) -> str | None:
     return f"control character U+{ord(char):04X} at {at}"
 
 
+# Problems that make a parsed call unusable as a training example of calling a tool (the other
+# tool codes say where a call sits, not whether it is one).
+BAD_CALL = ("tool_unclosed", "tool_bad_json", "tool_bad_xml", "tool_unknown_name", "tool_args_schema",
+            "tool_missing_required", "tool_without_tools")
+
+
 # Each check returns a detail (truthy) when the record has the problem. ``ctx`` holds the parsed
 # parts and the config. The tool_* codes and text_after_tool_call come from check_tool_calls.
 CHECKS: dict[str, Callable[[dict, dict], str | bool | None]] = {
@@ -115,10 +121,18 @@ CHECKS: dict[str, Callable[[dict, dict], str | bool | None]] = {
     "repetition_loop": lambda rec, ctx: repetition_loop(rec.get("text") or "", **ctx["cfg"]["repetition"]),
     "stray_think": lambda rec, ctx: STRAY_THINK.search(rec.get("content") or "") and "think tag inside the answer",
     "encoding": lambda rec, ctx: encoding_problem(rec.get("text") or ""),
-    **{code: (lambda rec, ctx, code=code: ctx["tool_problems"].get(code)) for code in (
-        "tool_unclosed", "tool_bad_json", "tool_bad_xml", "tool_unknown_name", "tool_args_schema",
-        "tool_missing_required", "tool_call_in_reasoning", "tool_without_tools", "text_after_tool_call")},
+    **{code: (lambda rec, ctx, code=code: ctx["tool_problems"].get(code))
+       for code in (*BAD_CALL, "tool_call_in_reasoning", "text_after_tool_call")},
 }
+
+
+TOOL_CATEGORY = "tool"  # the category whose kept records should call tools (gates.min_tool_call_share)
+
+
+def calls_a_tool(qa: dict) -> bool:
+    """Whether a judged record holds at least one valid tool call in its answer: a parsed call,
+    and none of the problems that would make it a wrong example (when those are only flagged)."""
+    return bool(qa.get("tool_calls")) and not set(BAD_CALL) & set(qa.get("flags", []) + qa.get("reasons", []))
 
 
 def judge(rec: dict, cfg: dict) -> tuple[list[str], list[str], list[dict], dict[str, str]]:
@@ -150,9 +164,7 @@ ANCHORS = {  # where in the record a problem shows: (field, pattern); the end of
     "trivial": ("text", re.compile("^")),
     "empty_answer": ("text", re.compile("^")),
     "empty_reasoning": ("text", re.compile("^")),
-    **{code: ("content", re.compile("<tool_call>|</tool_call>|<function=|<parameter=")) for code in (
-        "tool_unclosed", "tool_bad_json", "tool_bad_xml", "tool_unknown_name", "tool_args_schema",
-        "tool_missing_required", "tool_without_tools")},
+    **{code: ("content", re.compile("<tool_call>|</tool_call>|<function=|<parameter=")) for code in BAD_CALL},
 }
 
 
@@ -282,6 +294,8 @@ def validate_shard(completions_path: Path, validated_path: Path, rejected_path: 
             if reasons:
                 qa["reasons"] = reasons
             per_cat[cat]["rejected" if reasons else "kept"] += 1
+            if not reasons and calls_a_tool(qa):
+                per_cat[cat]["kept_calling_tool"] += 1
             (reject if reasons else keep)(with_field(line, rec, "qa", qa))
             tokens = rec["usage"]["completion_tokens"]
             lengths[cat]["output_tokens"].append(tokens)

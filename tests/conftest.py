@@ -82,7 +82,7 @@ def small_run_config(work: Path, demo_sources: list[dict], target_dir: Path | No
                      eval_tokens: int = 4, pilot: dict | None = None, **generate) -> dict:
     """The demo config cut to a quick run in ``work``, written to work/config.yaml: ``train`` and
     ``heldout`` conversations of each category, a one-layer drafter, every check a flag (a briefly
-    taught target writes little that passes, and every stage needs data), no length gates, no
+    taught target writes little that passes, and every stage needs data), no length or tool gates, no
     pilot unless ``pilot`` (its config section) is given. ``target_dir``: an already built target
     (none: the run builds the demo's); ``generate``: overrides of the generate section."""
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
@@ -92,7 +92,7 @@ def small_run_config(work: Path, demo_sources: list[dict], target_dir: Path | No
     cfg["generate"]["sampling"]["max_tokens"] = max_tokens
     cfg["generate"].update(generate)
     cfg["validate"]["checks"] = {k: "flag" for k in CHECKS}
-    cfg["gates"] = {"max_trivial_share": None, "min_median_trainable_tokens": None}
+    cfg["gates"] = {"max_trivial_share": None, "min_median_trainable_tokens": None, "min_tool_call_share": None}
     cfg["drafter"] = {"num_layers": 1, "target_layer_ids": [1, 3], "block_size": 4}
     cfg["train"] = {"steps": train_steps, "batch_size": 2}
     cfg["eval"] = {"max_new_tokens": eval_tokens}
