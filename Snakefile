@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+import time
 
 import yaml
 
@@ -68,10 +69,22 @@ def check_storage(write):
 if S3:
     check_storage(write=False)  # a dry run only lists: read-only keys may plan
 
+STARTED = time.time()
+
 
 onstart:
     if S3:
         check_storage(write=True)
+
+
+onsuccess:
+    # The run's answer on the console, when this run wrote the report (a run of one shard did not).
+    summary = f"{OUT}/report/summary.json"
+    if os.path.exists(summary) and os.path.getmtime(summary) >= STARTED:
+        from dflash.io import read_json
+        from dflash.report import headline_lines
+
+        print("\n".join(headline_lines(read_json(summary), f"{OUT}/report/summary.html")), file=sys.stderr)
 
 ONLINE = config["train"]["hidden_states"] == "online"
 PILOT = config["pilot"]["enabled"]

@@ -1,30 +1,20 @@
-"""Wall time and peak memory per stage of a finished pipeline run, from Snakemake's benchmark TSVs.
+"""Wall time and peak memory per stage of a finished pipeline run, from Snakemake's benchmark TSVs
+(dflash.benchmarks, which the report's time per stage uses too).
 
 Usage: python bench/stage_costs.py [results/benchmarks]
 """
-import csv
 import sys
-from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's dflash, with any Python
+from dflash.benchmarks import stage_cost_lines, stage_costs  # noqa: E402
 
 
 def main(root: str = "results/benchmarks") -> None:
-    seconds, rss, jobs = defaultdict(float), defaultdict(float), defaultdict(int)
-    files = sorted(Path(root).rglob("*.tsv"))
-    if not files:
+    costs = stage_costs(root)
+    if not costs:
         sys.exit(f"no benchmark TSVs under {root}: run the pipeline first")
-    for tsv in files:
-        stage = tsv.parent.name if tsv.parent != Path(root) else tsv.stem
-        with open(tsv) as f:
-            row = next(csv.DictReader(f, delimiter="\t"))
-        seconds[stage] += float(row["s"])
-        rss[stage] = max(rss[stage], float(row["max_rss"]) if row["max_rss"] not in ("", "NA", "-") else 0.0)
-        jobs[stage] += 1
-    total = sum(seconds.values())
-    print(f"{'stage':<10} {'jobs':>4} {'seconds':>9} {'share':>6} {'max RSS MB':>11}")
-    for stage, s in sorted(seconds.items(), key=lambda kv: -kv[1]):
-        print(f"{stage:<10} {jobs[stage]:>4} {s:>9.1f} {s / total:>6.1%} {rss[stage]:>11.0f}")
-    print(f"{'total':<10} {sum(jobs.values()):>4} {total:>9.1f}")
+    print("\n".join(stage_cost_lines(costs)))
 
 
 if __name__ == "__main__":

@@ -376,5 +376,15 @@ def human_bytes(n: float) -> str:
         n /= 1000
 
 
+def human_duration(seconds: float) -> str:
+    """Seconds as a reader weighs them: '42 s', '15.2 min', '17.5 h', '16.5 days'."""
+    hours = seconds / 3600
+    if hours < 1 / 60:
+        return f"{seconds:.0f} s"
+    if hours < 1:
+        return f"{hours * 60:.1f} min"
+    return f"{hours:,.1f} h" if hours < 48 else f"{hours / 24:,.1f} days"
+
+
 def read_json(path: str | os.PathLike):
     return json.loads(Path(path).read_text(encoding="utf-8"))

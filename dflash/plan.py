@@ -9,7 +9,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from dflash.io import human_bytes, read_json
+from dflash.io import human_bytes, human_duration, read_json
 
 Z95 = 1.96  # the ranges: 95% intervals of the pilot's sampling error
 # The story's completions: 7.25 GB of zstd JSONL for 1.64e9 output tokens (used without a pilot).
@@ -151,11 +151,7 @@ def _money(x: float | None) -> str:
 
 
 def _duration(hours: float) -> str:
-    if hours < 1 / 60:
-        return f"{hours * 3600:.0f} s"
-    if hours < 1:
-        return f"{hours * 60:.1f} min"
-    return f"{hours:,.1f} h" if hours < 48 else f"{hours / 24:,.1f} days"
+    return human_duration(hours * 3600)
 
 
 def plan_lines(plan: dict) -> list[str]:

@@ -1,27 +1,69 @@
-"""Report stage: one self-contained HTML page (and its JSON) summarising a pipeline run.
+"""Report stage: two self-contained HTML pages (and the summary's JSON) on a pipeline run.
 
-Counts per stage, QA rates per check and category, the drafter's loss curve and the acceptance
-length per category. The page has no external assets, so ``snakemake --report`` can embed it.
+``summary.html`` leads with the answer (records kept, trainable tokens, acceptance trained vs
+untrained, gates, what generation cost, time per stage), then the detail: counts per stage, QA
+rates per check and category, the loss curve, acceptance per category, the pilot and the plan.
+``qa.html`` holds the QA detail. The pages link to each other and name the run's date, config
+digest and pipeline commit. They have no external assets (inline SVG), so ``snakemake --report``
+can embed them.
 """
 from __future__ import annotations
 
+import hashlib
 import html
 import json
+import math
 import re
+import subprocess
+import textwrap
+from datetime import datetime, timezone
 from pathlib import Path
 
-from dflash.io import atomic_path, read_json, write_json
-from dflash.validate import EXAMPLES_PER_REASON
+from dflash.benchmarks import stage_costs
+from dflash.io import atomic_path, human_bytes, human_duration, read_json, write_json
+from dflash.validate import EXAMPLES_PER_REASON, TOOL_CATEGORY
+
+SUMMARY_PAGE, QA_PAGE = "summary.html", "qa.html"  # side by side in report/, linked by these names
+
+
+def config_digest(config: dict) -> str:
+    """First 12 hex digits of the SHA-256 of the config as canonical JSON (keys sorted, no spaces)."""
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+
+def pipeline_commit(folder: str | Path) -> str:
+    """The git commit checked out in ``folder`` (short hash), ``+dirty`` when tracked files differ
+    from it, ``unknown`` outside a git checkout or without git."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, check=True,
+                              timeout=30).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short=12", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
+def provenance(config: dict, workflow_dir: str | Path) -> dict:
+    """What the pages name so a reader knows which run and code they show. Computed by the report
+    jobs themselves, not passed as rule params: a new commit alone must not re-run the report."""
+    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "config_digest": config_digest(config),
+            "commit": pipeline_commit(workflow_dir)}
 
 
 def summarize(config: dict, manifest: Path, qa_summary: Path, gates: Path, checkpoint: Path, eval_file: Path,
               durability: dict | None = None, pilot: Path | None = None, plan: Path | None = None,
-              generated: list[Path] = ()) -> dict:
+              generated: list[Path] = (), benchmarks: Path | None = None, about: dict | None = None) -> dict:
     qa = read_json(qa_summary)
     train_log = [json.loads(line) for line in (Path(checkpoint) / "train_log.jsonl").read_text().splitlines() if line]
     evaluation = read_json(eval_file)
     return {
         "run": config["run"],
+        "about": about,
+        "demo_target": (config.get("target") or {}).get("path") is None,
         "prompts": read_json(manifest),
         "validate": {k: qa[k] for k in ("records", "kept", "rejected", "reject_rate", "checks", "categories")},
         "gates": read_json(gates)["gates"],
@@ -37,6 +79,7 @@ def summarize(config: dict, manifest: Path, qa_summary: Path, gates: Path, check
         "pilot": read_json(pilot) if pilot else None,
         "plan": read_json(plan) if plan else None,
         "generation": _generation(config, [read_json(p) for p in generated]) if generated else None,
+        "stages": stage_costs(benchmarks) if benchmarks else None,
     }
 
 
@@ -53,8 +96,6 @@ DURABILITY_LINES = 20  # files at risk named on the page; the count covers all
 
 def _durability(found: dict) -> dict:
     """What ``storage.safe_to_destroy`` found when the report was written, for the page."""
-    from datetime import datetime, timezone
-
     from dflash.storage import destroy_verdict
 
     lines, verdict = destroy_verdict(found, "this run")
@@ -64,80 +105,348 @@ def _durability(found: dict) -> dict:
             "checked_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
-STYLE = """body{font-family:sans-serif;margin:2em;max-width:70em} table{border-collapse:collapse;margin:1em 0}
-td,th{border:1px solid #ccc;padding:4px 8px;text-align:right} th{background:#f3f3f3} td:first-child{text-align:left}
+# ---------------------------------------------------------------------------------------------
+# numbers for readers
+
+
+def _fmt(v) -> str:
+    """A number rounded for reading: 12345 -> '12,345', 3.14159 -> '3.14', 0.00123 -> '0.0012'."""
+    if v is None:
+        return "-"
+    if isinstance(v, int) or float(v).is_integer():
+        return f"{int(v):,}"
+    a = abs(v)
+    return (f"{v:,.0f}" if a >= 100 else f"{v:.1f}" if a >= 10 else f"{v:.2f}" if a >= 0.1 or a == 0
+            else f"{v:.2g}")
+
+
+def _pct(x: float) -> str:
+    return f"{x:.1%}"
+
+
+def _gate_value(gate: str, v) -> str:
+    """Bytes in human units, rates and shares as percentages."""
+    if v is None:
+        return "-"
+    if gate.endswith("_bytes"):
+        return human_bytes(v)
+    return _pct(v) if ("rate" in gate or "share" in gate) else _fmt(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# the headline: the same facts for the page and the console
+
+
+# as the README's "What good looks like on a real run" reports them, with sources
+GOOD_ACCEPTANCE = ("DFlash drafters of 8B to 35B Qwen targets trained on tens of thousands of samples or more "
+                   "are reported at about 3.5 to 9.5 (README: What good looks like on a real run)")
+
+
+def _acceptance_fact(s: dict) -> tuple[str, str] | None:
+    ev = s["eval"].get("overall")
+    if not ev:
+        return None
+    trained = ev["acceptance_length"]
+    plain = (s["eval"].get("untrained") or {}).get("overall", {}).get("acceptance_length")
+    saved = (ev["tokens"] - ev["target_forwards"]) / max(1, ev["tokens"])
+    main = f"{trained:.2f} trained vs {plain:.2f} untrained" if plain else f"{trained:.2f}"
+    note = (f"On {ev['prompts']:,} held-out prompts each target forward pass yielded {trained:.2f} tokens with the "
+            f"trained drafter ({f'{plain:.2f} with an untrained one; ' if plain else ''}1.00 = no speed-up): "
+            f"{_pct(saved)} fewer target forwards than plain decoding.\n")
+    if s.get("demo_target"):
+        note += (f"The target here is the tiny demo model and the drafter trained {s['train']['steps']:,} steps on "
+                 f"{s['tokenized']['rows']:,} rows: this shows the stages work end to end, not what a drafter can do. "
+                 f"On a real run: {GOOD_ACCEPTANCE}.")
+    else:
+        note += (f"For scale: {GOOD_ACCEPTANCE}; near 1.00 the drafter learned little (check the chat template, "
+                 f"thinking mode and target layers).")
+    return main, note
+
+
+def _kept_fact(v: dict) -> tuple[str, str, bool]:
+    share = _pct(v["kept"] / v["records"]) if v["records"] else "-"
+    main = f"{v['kept']:,} of {v['records']:,} completions kept ({share})"
+    cats = {c: k for c, k in v["categories"].items() if k.get("records")}
+    if not cats:
+        return main, "no completions", False
+    worst, w = max(cats.items(), key=lambda kv: kv[1]["reject_rate"])
+    reasons = sorted(((code, c["by_category"].get(worst, 0)) for code, c in v["checks"].items()
+                      if c["action"] == "reject" and c["by_category"].get(worst)), key=lambda x: -x[1])
+    note = (f"Most rejected: {worst}, {_pct(w['reject_rate'])} of {w['records']}"
+            + (" (" + ", ".join(f"{code} {n}" for code, n in reasons[:3])
+               + (f" and {len(reasons) - 3} more checks" if len(reasons) > 3 else "") + ")" if reasons else "") + ".")
+    # the share the min_tool_call_share gate measures: kept tool records that make a valid call
+    tool = v["categories"].get(TOOL_CATEGORY, {})
+    calling, kept = tool.get("kept_calling_tool", 0), tool.get("kept", 0)
+    if kept:
+        note += (f" Kept {TOOL_CATEGORY} records that call a tool: {calling} of {kept}." if calling else
+                 f" None of the {kept} kept {TOOL_CATEGORY} records calls a tool (dflash check tools shows them).")
+    return main, note, not (kept and not calling)
+
+
+def _gates_fact(gates: list[dict]) -> tuple[str, str, bool]:
+    failed = [g for g in gates if not g["passed"]]
+    if not gates:
+        return "none configured", "config gates sets them", True
+    if failed:
+        return (f"{len(failed)} of {len(gates)} FAILED", "; ".join(g.get("message", g["gate"]) for g in failed)
+                + ". Passed: " + (", ".join(g["gate"] for g in gates if g["passed"]) or "none") + ".", False)
+    return f"all {len(gates)} passed", ", ".join(f"{g['gate']} ({_gate_value(g['gate'], g['value'])}, limit "
+                                                f"{_gate_value(g['gate'], g['threshold'])})" for g in gates), True
+
+
+def _generation_fact(g: dict | None) -> tuple[str, str] | None:
+    if not g:
+        return None
+    cost = (f"${g['cost']:,.2f}" if g["cost"] is not None
+            else "no price (set generate.budget.profile and its plan.profiles gpu_hour_price)")
+    main = f"{human_duration(g['wall_hours'] * 3600)} wall, " + (cost if g["cost"] is not None else "cost unknown")
+    return main, (f"{g['requests']:,} requests, {g['output_tokens']:,} output tokens, {g['node_hours']:.3g} "
+                  f"node-hours" + ("" if g["cost"] is not None else f"; {cost}") + ".")
+
+
+def _time_fact(stages: dict | None) -> tuple[str, str] | None:
+    if not stages:
+        return None
+    total = sum(c["seconds"] for c in stages.values())
+    top = ", ".join(f"{stage} {human_duration(c['seconds'])}" for stage, c in list(stages.items())[:4])
+    return f"{human_duration(total)} of job time", f"Costliest stages: {top}."
+
+
+def headline(s: dict) -> list[tuple[str, str, str, bool]]:
+    """The page's and the console's lead: (label, figure, what it means, ok) per fact."""
+    t = s["tokenized"]
+    facts = [("kept", *_kept_fact(s["validate"])),
+             ("trainable tokens", f"{t['trainable_tokens']:,} in {t['rows']:,} rows",
+              f"The target's own output tokens the drafter learns from, of {t['tokens']:,} tokens in all "
+              f"(prompts and tool results are context only).", True)]
+    if acc := _acceptance_fact(s):
+        facts.append(("acceptance length", *acc, True))
+    facts.append(("gates", *_gates_fact(s["gates"])))
+    if gen := _generation_fact(s.get("generation")):
+        facts.append(("generation", *gen, True))
+    if tm := _time_fact(s.get("stages")):
+        facts.append(("time", *tm, True))
+    return facts
+
+
+def _about_line(s: dict) -> str:
+    a = s.get("about")
+    return f"run {s['run']}" + (f" ({a['date']}, config {a['config_digest']}, commit {a['commit']})" if a else "")
+
+
+CONSOLE_WIDTH = 100
+
+
+def headline_lines(summary: dict, report: str | Path | None = None) -> list[str]:
+    """The headline as short plain-text lines for a terminal (the end of a run), with whether the
+    machine may go when the report looked; ``report``: the page's path, named last."""
+    lines = [_about_line(summary)]
+    if d := summary.get("durability"):
+        lines += textwrap.wrap(f"machine: {d['verdict']}", CONSOLE_WIDTH, subsequent_indent="  ")
+    for label, main, note, ok in headline(summary):
+        lines.append(f"{label}: {main}" + ("" if ok else "  <-- look here"))
+        if label != "trainable tokens":
+            lines += [wrapped for part in note.split("\n")
+                      for wrapped in textwrap.wrap(part, CONSOLE_WIDTH, initial_indent="  ", subsequent_indent="  ")]
+    return lines + ([f"report: {report}"] if report else [])
+
+
+# ---------------------------------------------------------------------------------------------
+# plots: inline SVG with axes, ticks, labels and values
+
+
+COLOURS = ["#1f77b4", "#aaaaaa"]
+CHAR_PX = 6.2  # rough width of one character at font-size 11, to keep labels apart
+
+
+def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    """Round tick values (1, 2, 2.5 or 5 x 10^k apart) from at or below ``lo`` to at or above ``hi``."""
+    if hi <= lo:
+        hi = lo + 1
+    raw = (hi - lo) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.floor(lo / step + 1e-9) * step
+    count = math.ceil((hi - first) / step - 1e-9)
+    return [round(first + i * step, 10) for i in range(count + 1)]
+
+
+def _text(x: float, y: float, s: str, size: int = 11, anchor: str = "start", extra: str = "") -> str:
+    return (f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" {extra}>'
+            f"{html.escape(s)}</text>")
+
+
+BOLD = 'font-weight="bold"'
+
+
+def _svg(width: float, height: float, title: str, body: str) -> str:
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+            f'font-family="sans-serif" role="img" aria-label="{html.escape(title)}">'
+            f'<rect width="100%" height="100%" fill="white"/>{_text(8, 16, title, 13, extra=BOLD)}{body}</svg>')
+
+
+def _y_axis(ticks: list[float], left: float, right: float, y, label: str, top: float, bottom: float) -> str:
+    """Grid lines and tick values at ``y(tick)``, the axis title turned along the axis."""
+    out = "".join(f'<line x1="{left}" x2="{right}" y1="{y(t):.1f}" y2="{y(t):.1f}" stroke="#e5e5e5"/>'
+                  + _text(left - 5, y(t) + 4, f"{t:,.6g}", 10, "end") for t in ticks)
+    mid = (top + bottom) / 2
+    return (out + f'<line x1="{left}" x2="{left}" y1="{top}" y2="{bottom}" stroke="#444"/>'
+            + _text(13, mid, label, 11, "middle", f'transform="rotate(-90 13 {mid:.1f})"'))
+
+
+def _bars_svg(title: str, labels: list[str], series: dict[str, list[float]], x_label: str, y_label: str,
+              baseline: tuple[float, str] | None = None, height: int = 250) -> str:
+    """Grouped bars, one group per label and one bar per series, each bar's value on top;
+    ``baseline``: (value, words) drawn as a dashed line."""
+    n, k = len(labels), len(series)
+    bar = 40 if k == 1 else 34
+    group = bar * k + 12
+    label_px = max((len(str(lab)) for lab in labels), default=1) * CHAR_PX
+    turn = label_px > group - 4  # labels wider than their group are turned, so none overlap
+    left, right, top = 58, 16, 52 if k > 1 or baseline else 36
+    bottom = 44 + (label_px * 0.65 if turn else 0)
+    width = max(left + right + n * group, len(title) * 7.5 + 16, 300)
+    plot_w = width - left - right
+    group = plot_w / max(1, n)
+    values = [v for vs in series.values() for v in vs if v is not None]
+    ticks = _ticks(0, max(values + [baseline[0] if baseline else 0], default=0) or 1)
+    y0, y1 = height - bottom, top
+
+    def y(v: float) -> float:
+        return y0 - (y0 - y1) * v / ticks[-1]
+
+    out = [_y_axis(ticks, left, width - right, y, y_label, y1, y0)]
+    for j, (name, vs) in enumerate(series.items()):
+        for i, v in enumerate(vs):
+            if v is None:
+                continue
+            x = left + i * group + (group - bar * k) / 2 + j * bar
+            out.append(f'<rect x="{x:.1f}" y="{y(v):.1f}" width="{bar - 2}" height="{y0 - y(v):.1f}" '
+                       f'fill="{COLOURS[j % len(COLOURS)]}"><title>{html.escape(f"{name} {labels[i]}: {_fmt(v)}")}'
+                       f"</title></rect>")
+            if v:
+                out.append(_text(x + (bar - 2) / 2, y(v) - 3, _fmt(v), 10, "middle"))
+    for i, lab in enumerate(labels):
+        cx = left + (i + 0.5) * group
+        out.append(_text(cx, y0 + 14, str(lab), 11, "end", f'transform="rotate(-40 {cx:.1f} {y0 + 14:.1f})"')
+                   if turn else _text(cx, y0 + 15, str(lab), 11, "middle"))
+    out.append(f'<line x1="{left}" x2="{width - right}" y1="{y0}" y2="{y0}" stroke="#444"/>'
+               + _text(left + plot_w / 2, height - 6, x_label, 11, "middle"))
+    dash = 'stroke="#d62728" stroke-dasharray="6 4" stroke-width="1.5"'
+    if baseline:
+        at = y(baseline[0])
+        out.append(f'<line x1="{left}" x2="{width - right}" y1="{at:.1f}" y2="{at:.1f}" {dash}/>')
+    # the legend, in a row under the title: each series' colour, then the baseline's dashes
+    x = left
+    for j, name in enumerate(series if k > 1 else []):
+        out.append(f'<rect x="{x}" y="25" width="11" height="11" fill="{COLOURS[j % len(COLOURS)]}"/>'
+                   + _text(x + 15, 35, name, 11))
+        x += 30 + len(name) * CHAR_PX
+    if baseline:
+        out.append(f'<line x1="{x}" x2="{x + 22}" y1="30.5" y2="30.5" {dash}/>' + _text(x + 27, 35, baseline[1], 11))
+    return _svg(width, height, title, "".join(out))
+
+
+def _histogram_svg(title: str, bins: list[int], counts: list[int], x_label: str) -> str:
+    """Counts over length bins, shown up to the bin holding the longest: each labelled with its range."""
+    last = max((i for i, c in enumerate(counts) if c), default=0)
+    labels = [f"{lo}-{bins[i + 1] - 1}" if i + 1 < len(bins) else f"{lo}+" for i, lo in enumerate(bins[:last + 1])]
+    return _bars_svg(title, labels, {"records": counts[:last + 1]}, x_label, "records")
+
+
+def _loss_svg(curve: list[list[float]], width: int = 600, height: int = 270) -> str:
+    drawn = [c for c in curve if math.isfinite(c[1])]
+    lost = len(curve) - len(drawn)
+    skipped = f"<p>{lost} logged losses are not finite (not drawn)</p>" if lost else ""
+    if len(drawn) < 2:
+        return skipped + "<p>no loss curve</p>"
+    curve = drawn
+    left, right, top, bottom = 58, 20, 34, 44
+    xs, ys = [c[0] for c in curve], [c[1] for c in curve]
+    xt, yt = _ticks(min(xs), max(xs), 6), _ticks(min(ys), max(ys), 5)
+
+    def x(v: float) -> float:
+        return left + (width - left - right) * (v - xt[0]) / ((xt[-1] - xt[0]) or 1)
+
+    def y(v: float) -> float:
+        return height - bottom - (height - top - bottom) * (v - yt[0]) / ((yt[-1] - yt[0]) or 1)
+
+    points = " ".join(f"{x(a):.1f},{y(b):.1f}" for a, b in curve)
+    out = [_y_axis(yt, left, width - right, y, "loss", top, height - bottom),
+           f'<line x1="{left}" x2="{width - right}" y1="{height - bottom}" y2="{height - bottom}" stroke="#444"/>',
+           *(f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{height - bottom}" y2="{height - bottom + 4}" stroke="#444"/>'
+             + _text(x(t), height - bottom + 16, _fmt(t), 10, "middle") for t in xt),
+           _text(left + (width - left - right) / 2, height - 6, "training step", 11, "middle"),
+           f'<polyline fill="none" stroke="{COLOURS[0]}" stroke-width="2" points="{points}"/>']
+    for a, b, anchor in ((xs[0], ys[0], "start"), (xs[-1], ys[-1], "end")):
+        out.append(f'<circle cx="{x(a):.1f}" cy="{y(b):.1f}" r="3" fill="{COLOURS[0]}"/>'
+                   + _text(x(a) + (6 if anchor == "start" else -6), y(b) - 6, f"{b:.2f} at step {_fmt(a)}", 10, anchor))
+    return skipped + _svg(width, height, f"training loss: {ys[0]:.2f} to {ys[-1]:.2f} in {_fmt(xs[-1])} steps",
+                          "".join(out))
+
+
+# ---------------------------------------------------------------------------------------------
+# pages
+
+
+STYLE = """body{font-family:sans-serif;margin:2em;max-width:75em;color:#222}
+table{border-collapse:collapse;margin:1em 0} td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}
+th{background:#f3f3f3} td:first-child,th:first-child{text-align:left}
+td.text,th.text{text-align:left} td{white-space:nowrap} td.text{white-space:normal}
 pre{background:#f7f7f7;padding:6px;white-space:pre-wrap;word-break:break-all;max-height:20em;overflow:auto}
-.plots svg{margin:0 1em 1em 0}"""
+.plots{display:flex;flex-wrap:wrap;gap:1em;margin:1em 0} .plots svg{border:1px solid #eee}
+.about{color:#555;font-size:90%;margin-top:-.5em} .about a{font-weight:bold}
+.headline{border:2px solid #1f77b4;border-radius:6px;padding:.8em 1.2em;background:#f6faff;margin:1em 0}
+.fact{display:grid;grid-template-columns:10em 1fr;gap:0 1em;padding:.45em 0;border-bottom:1px solid #dde8f3}
+.fact:last-of-type{border-bottom:none} .fact .label{color:#555;padding-top:.2em}
+.fact .main{font-size:130%;font-weight:bold} .fact .note{grid-column:2;color:#333;font-size:92%}
+.fact.bad .main{color:#c0392b} .bar{background:#1f77b4;height:.9em;min-width:1px} td.barcell{width:14em}"""
 
 
-def _page(title: str, body: str) -> str:
+def _page(title: str, body: str, about: dict | None, run: str | None, other: tuple[str, str]) -> str:
+    """A page with its provenance line and a link to the other page (``other``: file, words)."""
     plain = re.sub("<[^>]+>", "", title)
+    facts = [f"run <code>{html.escape(run)}</code>"] if run else []
+    if about:
+        facts += [f"written {html.escape(about['date'])}",
+                  f'config <code title="first 12 hex digits of the SHA-256 of the config as canonical JSON (keys '
+                  f'sorted)">{html.escape(about["config_digest"])}</code> (SHA-256 of its canonical JSON)',
+                  f"pipeline commit <code>{html.escape(about['commit'])}</code>"]
+    facts.append(f'<a href="{other[0]}">{html.escape(other[1])} &rarr;</a>')
     return (f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{plain}</title><style>{STYLE}</style>'
-            f"</head><body>\n<h1>{title}</h1>\n{body}\n</body></html>\n")
+            f'</head><body>\n<h1>{title}</h1>\n<p class="about">{" &middot; ".join(facts)}</p>\n{body}\n'
+            f"</body></html>\n")
 
 
-def _table(headers: list[str], rows: list[list]) -> str:
-    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+def _table(headers: list[str], rows: list[list], raw: tuple[int, ...] = (),
+           classes: dict[int, str] | None = None) -> str:
+    """``raw``: column numbers whose cells are HTML already; ``classes``: a CSS class per column number."""
+    classes = classes or {}
+
+    def cell(tag: str, i: int, c) -> str:
+        attr = f' class="{classes[i]}"' if i in classes else ""
+        return f"<{tag}{attr}>{c if i in raw and tag == 'td' else html.escape(str(c))}</{tag}>"
+
+    head = "".join(cell("th", i, h) for i, h in enumerate(headers))
+    body = "".join("<tr>" + "".join(cell("td", i, c) for i, c in enumerate(row)) + "</tr>" for row in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def _loss_svg(curve: list[list[float]], width: int = 560, height: int = 220) -> str:
-    if len(curve) < 2:
-        return "<p>no loss curve</p>"
-    pad = 40
-    xs, ys = [c[0] for c in curve], [c[1] for c in curve]
-    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
-    sx = (width - 2 * pad) / ((x1 - x0) or 1)
-    sy = (height - 2 * pad) / ((y1 - y0) or 1)
-    points = " ".join(f"{pad + (x - x0) * sx:.1f},{height - pad - (y - y0) * sy:.1f}" for x, y in curve)
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">'
-            f'<rect width="100%" height="100%" fill="white"/>'
-            f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{points}"/>'
-            f'<text x="{pad}" y="{pad - 10}" font-size="12">loss {y1:.3f}</text>'
-            f'<text x="{pad}" y="{height - 8}" font-size="12">step {x0:g}</text>'
-            f'<text x="{width - pad - 60}" y="{height - 8}" font-size="12">step {x1:g}</text>'
-            f'<text x="{width - pad - 90}" y="{height - pad + 14}" font-size="12">loss {y0:.3f}</text></svg>')
-
-
 def _check_rates(qa: dict) -> str:
-    """Checks x categories: the share of each category's completions a check hit."""
+    """Checks x categories: the share of each category's completions a check hit, the most hits
+    first; the checks that hit nothing named in a line below."""
     cats = sorted(qa["categories"])
-    return _table(["check", "action", "hits", "rate"] + cats, [
-        [code, c["action"], c["total"], f"{c['total'] / qa['records']:.1%}" if qa["records"] else "-"]
+    on = [(code, c) for code, c in qa["checks"].items() if c["action"] != "off"]
+    hit = sorted(((code, c) for code, c in on if c["total"]), key=lambda kv: -kv[1]["total"])
+    silent = [code for code, c in on if not c["total"]]
+    return (_table(["check", "action", "hits", "rate"] + cats, [
+        [code, c["action"], f"{c['total']:,}", f"{c['total'] / qa['records']:.1%}" if qa["records"] else "-"]
         + [f"{c['by_category'].get(cat, 0) / n:.1%}" if (n := qa["categories"][cat].get("records")) else "-"
            for cat in cats]
-        for code, c in qa["checks"].items() if c["action"] != "off"
-    ])
-
-
-def _bars_svg(title: str, labels: list, series: dict[str, list[float]], unit: str = "",
-              width: int = 320, height: int = 160) -> str:
-    """Grouped bars: one group per label, one bar per series (colours in order)."""
-    pad, colours = 28, ["#1f77b4", "#bbbbbb"]
-    top = max((v for values in series.values() for v in values), default=0) or 1
-    group = (width - 2 * pad) / max(1, len(labels))
-    bar = group / len(series)
-    bars = "".join(
-        f'<rect x="{pad + i * group + j * bar:.1f}" y="{height - pad - (height - 2 * pad) * v / top:.1f}" '
-        f'width="{bar - 2:.1f}" height="{(height - 2 * pad) * v / top:.1f}" fill="{colours[j % 2]}">'
-        f"<title>{html.escape(f'{name} {labels[i]}: {v:g}')}</title></rect>"
-        for j, (name, values) in enumerate(series.items()) for i, v in enumerate(values))
-    step = max(1, len(labels) // 8)
-    ticks = "".join(f'<text x="{pad + i * group:.1f}" y="{height - pad + 12}" font-size="9">'
-                    f"{html.escape(str(labels[i]))}</text>" for i in range(0, len(labels), step))
-    legend = "".join(f'<text x="{width - pad - 120}" y="{14 + 11 * (j + 1)}" font-size="9" fill="{colours[j % 2]}">'
-                     f"{html.escape(name)}</text>" for j, name in enumerate(series) if len(series) > 1)
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">'
-            f'<rect width="100%" height="100%" fill="white"/><text x="{pad}" y="14" font-size="12">'
-            f"{html.escape(title)}</text>{bars}{ticks}{legend}"
-            f'<text x="{width - pad - 50}" y="{height - 4}" font-size="9">{html.escape(unit)}</text>'
-            f'<text x="2" y="{pad}" font-size="9">{top:g}</text></svg>')
-
-
-def _histogram_svg(title: str, bins: list[int], counts: list[int]) -> str:
-    """Counts over fixed length bins (labelled by their lower edge)."""
-    return _bars_svg(title, bins[:len(counts)], {"records": counts}, unit="tokens")
+        for code, c in hit
+    ]) if hit else "<p>No check hit any completion.</p>") + (
+        f"<p>No hits: {html.escape(', '.join(silent))}.</p>" if silent and hit else "")
 
 
 def _example_html(code: str, ex: dict) -> str:
@@ -151,42 +460,50 @@ def _example_html(code: str, ex: dict) -> str:
 
 
 def _share(n: int, of: int | None) -> str:
-    return f"{n} of {of} ({n / of:.1%})" if of else str(n)
+    return f"{n:,} of {of:,} ({n / of:.1%})" if of else f"{n:,}"
 
 
-def render_qa_html(qa: dict) -> str:
+def render_qa_html(qa: dict, about: dict | None = None, run: str | None = None) -> str:
     """The QA page: overall counts, rates per check and category, length plots, examples."""
-    counts = _table(["category", "completions", "kept", "rejected", "reject rate", "median trainable tokens"], [
-        [cat, c.get("records", 0), c.get("kept", 0), c.get("rejected", 0), f"{c['reject_rate']:.1%}",
-         qa["trainable_tokens"]["by_category"].get(cat, {}).get("median", "-")]
+    counts = _table(["category", "completions", "kept", "kept calling a tool", "rejected", "reject rate",
+                     "median trainable tokens"], [
+        [cat, _fmt(c.get("records", 0)), _fmt(c.get("kept", 0)), _fmt(c.get("kept_calling_tool", 0)),
+         _fmt(c.get("rejected", 0)), _pct(c["reject_rate"]),
+         _fmt(qa["trainable_tokens"]["by_category"].get(cat, {}).get("median"))]
         for cat, c in qa["categories"].items()
-    ] + [["all", qa["records"], qa["kept"], qa["rejected"], f"{qa['reject_rate']:.1%}",
-          qa["trainable_tokens"]["median"]]])
+    ] + [["all", _fmt(qa["records"]), _fmt(qa["kept"]),
+          _fmt(sum(c.get("kept_calling_tool", 0) for c in qa["categories"].values())), _fmt(qa["rejected"]),
+          _pct(qa["reject_rate"]), _fmt(qa["trainable_tokens"]["median"])]])
     plots = "".join(
-        _histogram_svg(f"{cat}: output tokens (n={k['output_tokens']['n']}, mean {k['output_tokens']['mean']}, "
-                       f"max {k['output_tokens']['max']})", qa["length_bins"], k["output_tokens"]["histogram"])
+        _histogram_svg(f"{cat}: output tokens (n={k['output_tokens']['n']}, mean {_fmt(k['output_tokens']['mean'])}, "
+                       f"max {_fmt(k['output_tokens']['max'])})", qa["length_bins"], k["output_tokens"]["histogram"],
+                       "output tokens per completion")
         for cat, k in qa["lengths"].items() if k.get("output_tokens", {}).get("n"))
     tok = qa["tokenized"]
     tokenization = _table(["rows", "tokens", "trainable tokens", "from ids", "from text", "decode differs from text",
                            "re-tokenized text differs from ids (sample)", "prompt boundary unstable", "truncated",
                            "dropped (no anchor)"], [[
-        tok.get("rows", 0), tok.get("tokens", 0), tok.get("trainable_tokens", 0), tok.get("from_ids", 0),
-        tok.get("from_text", 0), tok.get("text_mismatch", 0), _share(tok.get("retokenize_differs", 0), tok.get("retokenize_checked")),
-        _share(tok.get("boundary_unstable", 0), tok.get("boundary_checked")), tok.get("truncated", 0),
-        tok.get("dropped_no_anchor", 0)]])
+        _fmt(tok.get("rows", 0)), _fmt(tok.get("tokens", 0)), _fmt(tok.get("trainable_tokens", 0)),
+        _fmt(tok.get("from_ids", 0)), _fmt(tok.get("from_text", 0)), _fmt(tok.get("text_mismatch", 0)),
+        _share(tok.get("retokenize_differs", 0), tok.get("retokenize_checked")),
+        _share(tok.get("boundary_unstable", 0), tok.get("boundary_checked")), _fmt(tok.get("truncated", 0)),
+        _fmt(tok.get("dropped_no_anchor", 0))]])
     trainable_plots = "".join(
-        _histogram_svg(f"{cat}: trainable tokens per row (n={c['rows']}, median {c['median']})", qa["length_bins"],
-                       c["histogram"])
+        _histogram_svg(f"{cat}: trainable tokens per row (n={c['rows']}, median {_fmt(c['median'])})",
+                       qa["length_bins"], c["histogram"], "trainable tokens per row")
         for cat, c in qa["trainable_tokens"]["by_category"].items() if c.get("histogram"))
     examples = "".join(
         f"<h3>{html.escape(code)} ({qa['checks'][code]['total']} hits, {qa['checks'][code]['action']})</h3>"
         + "".join(_example_html(code, ex) for ex in found)
         for code, found in qa["examples"].items())
     return _page("Completion quality", f"""
-<p>{qa['records']} completions in {qa['shards']} shards: {qa['kept']} kept, {qa['rejected']} rejected.</p>
+<p>{qa['records']:,} completions in {qa['shards']} shards: {qa['kept']:,} kept, {qa['rejected']:,} rejected
+({_pct(qa['reject_rate'])}).</p>
 {counts}
 <h2>Checks: share of each category's completions hit</h2>{_check_rates(qa)}
-<h2>Output length per category</h2><div class="plots">{plots or "<p>no completions</p>"}</div>
+<h2>Output length per category</h2>
+<p>Completions per length range (tokens the target generated), up to the range holding the longest.</p>
+<div class="plots">{plots or "<p>no completions</p>"}</div>
 <h2>Tokenization</h2>
 <p>Rows are the target's own token ids where the records have them; "re-tokenized text differs" is how
 often tokenizing the text again would not give those ids (what rows from text would get wrong).</p>
@@ -194,31 +511,59 @@ often tokenizing the text again would not give those ids (what rows from text wo
 <h2>Examples per reason</h2>
 <p>Up to {EXAMPLES_PER_REASON} per reason code, with the text around the problem.</p>
 {examples or "<p>no check hit any completion</p>"}
-""")
+""", about, run, (SUMMARY_PAGE, "run summary"))
 
 
-def write_qa_page(qa_summary: Path, html_path: Path) -> None:
+def write_qa_page(qa_summary: Path, html_path: Path, about: dict | None = None, run: str | None = None) -> None:
+    """``about``: :func:`provenance`; ``run``: the run's name."""
     with atomic_path(html_path) as tmp:
-        tmp.write_text(render_qa_html(read_json(qa_summary)), encoding="utf-8")
+        tmp.write_text(render_qa_html(read_json(qa_summary), about, run), encoding="utf-8")
+
+
+def _headline_html(s: dict) -> str:
+    """The answer first: one row per fact (a figure, then what it means), the time per stage below."""
+    def fact(label: str, main: str, note: str, ok: bool) -> str:
+        lines = "<br>".join(html.escape(line) for line in note.split("\n"))
+        return (f'<div class="fact{"" if ok else " bad"}"><div class="label">{html.escape(label)}</div>'
+                f'<div class="main">{html.escape(main)}</div><div class="note">{lines}</div></div>')
+
+    facts = "".join(fact(*f) for f in headline(s))
+    return f'<div class="headline">{facts}{_stages_html(s.get("stages"))}</div>'
+
+
+def _stages_html(stages: dict | None) -> str:
+    """Job time and peak memory per stage (Snakemake's benchmark files)."""
+    if not stages:
+        return ""
+    total = sum(c["seconds"] for c in stages.values()) or 1
+    return _table(["stage", "jobs", "job time", "share", "", "peak memory"], [
+        [stage, c["jobs"], human_duration(c["seconds"]), _pct(c["seconds"] / total),
+         f'<div class="bar" style="width:{100 * c["seconds"] / total:.1f}%"></div>',
+         human_bytes(c["max_rss_bytes"]) if c["max_rss_bytes"] else "-"]
+        for stage, c in stages.items()
+    ], raw=(4,), classes={4: "barcell"})
 
 
 def render_html(s: dict) -> str:
     p, v, t, tr, ev = s["prompts"], s["validate"], s["tokenized"], s["train"], s["eval"]
-    stages = _table(["stage", "count"], [
+    stages = _table(["stage", "count"], [[name, _fmt(n) if isinstance(n, (int, float)) else n] for name, n in [
         ["training prompts", p["prompts"]], ["prompt shards", len(p["shards"])], ["held-out prompts", p["heldout"]],
         ["duplicates dropped", p["dropped"].get("duplicate", 0)], ["completions", v["records"]],
-        ["validated (kept)", v["kept"]], ["rejected", f"{v['rejected']} ({v['reject_rate']:.1%})"],
+        ["validated (kept)", v["kept"]], ["rejected", f"{v['rejected']:,} ({_pct(v['reject_rate'])})"],
         ["tokenized rows", t["rows"]], ["tokens", t["tokens"]], ["trainable tokens", t["trainable_tokens"]],
         ["rows dropped (no anchor)", t["dropped_no_anchor"]], ["rows truncated", t["truncated"]],
         ["train steps", tr["steps"]],
-    ])
+    ]])
     checks = _check_rates(v)
-    per_cat = _table(["category", "completions", "kept", "rejected", "trainable tokens"], [
-        [cat, c.get("records", 0), c.get("kept", 0), c.get("rejected", 0),
-         t["trainable_by_category"].get(cat, {}).get("total", 0)] for cat, c in v["categories"].items()
+    per_cat = _table(["category", "completions", "kept", "kept calling a tool", "rejected", "trainable tokens"], [
+        [cat, _fmt(c.get("records", 0)), _fmt(c.get("kept", 0)), _fmt(c.get("kept_calling_tool", 0)),
+         _fmt(c.get("rejected", 0)), _fmt(t["trainable_by_category"].get(cat, {}).get("total", 0))]
+        for cat, c in v["categories"].items()
     ])
-    gates = _table(["gate", "threshold", "measured", "verdict"], [
-        [g["gate"], g["threshold"], round(g["value"], 4), "pass" if g["passed"] else "FAIL"] for g in s["gates"]])
+    gates = _table(["gate", "limit", "measured", "verdict", "what it measured"], [
+        [g["gate"], _gate_value(g["gate"], g["threshold"]), _gate_value(g["gate"], g["value"]),
+         "pass" if g["passed"] else "FAIL", g.get("message", "").removeprefix(f"gate {g['gate']}: ")]
+        for g in s["gates"]], classes={4: "text"})
     rows = [(cat, e) for cat, e in [*sorted(ev.get("per_category", {}).items()), ("overall", ev.get("overall", {}))]
             if e]
     untrained = ev.get("untrained", {})
@@ -229,26 +574,31 @@ def render_html(s: dict) -> str:
 
     acceptance = _table(["category", "acceptance length", "untrained drafter", "prompts", "tokens",
                          "target forwards", "plain decoding forwards", "forwards saved"], [
-        [cat, f"{e['acceptance_length']:.3f}", f"{plain(cat):.3f}" if plain(cat) else "-", e["prompts"], e["tokens"],
-         e["target_forwards"], e.get("plain_forwards", e["tokens"]),
-         f"{e['tokens'] - e['target_forwards']} ({(e['tokens'] - e['target_forwards']) / max(1, e['tokens']):.1%})"]
+        [cat, f"{e['acceptance_length']:.3f}", f"{plain(cat):.3f}" if plain(cat) else "-", _fmt(e["prompts"]),
+         _fmt(e["tokens"]), _fmt(e["target_forwards"]), _fmt(e.get("plain_forwards", e["tokens"])),
+         f"{e['tokens'] - e['target_forwards']:,} ({(e['tokens'] - e['target_forwards']) / max(1, e['tokens']):.1%})"]
         for cat, e in rows
-    ]) + _bars_svg("acceptance length per category", [cat for cat, _ in rows],
-                   {"trained": [e["acceptance_length"] for _, e in rows],
-                    **({"untrained": [plain(cat) or 0 for cat, _ in rows]} if untrained else {})})
-    loss = (f"<p>loss {tr['first_loss']:.3f} &rarr; {tr['final_loss']:.3f}</p>" if tr["curve"] else "") + _loss_svg(tr["curve"])
+    ]) + '<div class="plots">' + _bars_svg(
+        "acceptance length per category", [cat for cat, _ in rows],
+        {"trained": [e["acceptance_length"] for _, e in rows],
+         **({"untrained": [plain(cat) for cat, _ in rows]} if untrained else {})},
+        "held-out prompts of each category", "tokens per target forward", baseline=(1.0, "1.0 = no speed-up"),
+        height=290) + "</div>"
+    loss = _loss_svg(tr["curve"])
     return _page(f"dflash-pipeline run <code>{html.escape(s['run'])}</code>", f"""{_durability_html(s.get("durability"))}
+{_headline_html(s)}
 <h2>Counts per stage</h2>{stages}
 <h2>Validation: checks per category</h2>
-<p>Share of each category's completions the check hit (details and examples: qa.html).</p>{checks}
+<p>Share of each category's completions the check hit (details and examples:
+<a href="{QA_PAGE}">{QA_PAGE}</a>).</p>{checks}
 <h2>Quality gates</h2>{gates}
 <h2>Per category</h2>{per_cat}
-<h2>Drafter training loss</h2>{loss}
+<h2>Drafter training loss</h2><div class="plots">{loss}</div>
 <h2>Acceptance length on held-out prompts</h2>
 <p>Mean tokens accepted per target forward (greedy speculative decoding; 1.0 = no speed-up).</p>{acceptance}
 {_generation_html(s.get("generation"), s.get("plan"))}
 {_plan_html(s.get("pilot"), s.get("plan"))}
-""")
+""", s.get("about"), None, (QA_PAGE, "completion quality (QA)"))
 
 
 def _generation_html(g: dict | None, plan: dict | None) -> str:
@@ -259,11 +609,11 @@ def _generation_html(g: dict | None, plan: dict | None) -> str:
     if plan and "error" not in plan and g["output_tokens"]:
         forecast = (f" (forecast {plan['output_tokens']:,.0f} from {plan['output_tokens_from']}: "
                     f"{plan['output_tokens'] / g['output_tokens'] - 1:+.1%})")
-    cost = f", {g['cost']:,.2f} $" if g["cost"] is not None else ""
+    cost = f", ${g['cost']:,.2f}" if g["cost"] is not None else ""
     limits = ", ".join(f"{k} {v}" for k, v in g["budget"].items() if k.startswith("max_") and v is not None)
     return (f"<h2>Generation</h2><p>{g['requests']:,} requests, {g['output_tokens']:,} output tokens{forecast}; "
-            f"{g['wall_hours'] * 3600:,.1f} s while any generate job ran ({g['job_seconds']:,.1f} s of job time), "
-            f"{g['node_hours']:.4g} node-hours{cost}" + (f"; budget: {html.escape(limits)}" if limits else "")
+            f"{human_duration(g['wall_hours'] * 3600)} while any generate job ran ({human_duration(g['job_seconds'])} of job "
+            f"time), {g['node_hours']:.3g} node-hours{cost}" + (f"; budget: {html.escape(limits)}" if limits else "")
             + "</p>")
 
 
@@ -293,10 +643,13 @@ def _durability_html(d: dict | None) -> str:
 
 def write_report(config: dict, manifest: Path, qa_summary: Path, gates: Path, checkpoint: Path, eval_file: Path,
                  html_path: Path, json_path: Path, durability: dict | None = None, pilot: Path | None = None,
-                 plan: Path | None = None, generated: list[Path] = ()) -> dict:
+                 plan: Path | None = None, generated: list[Path] = (), benchmarks: Path | None = None,
+                 about: dict | None = None) -> dict:
     """The summary page and its JSON; ``durability``: what ``storage.safe_to_destroy`` found;
-    ``pilot``, ``plan``: their JSON files; ``generated``: the generate jobs' summaries."""
-    summary = summarize(config, manifest, qa_summary, gates, checkpoint, eval_file, durability, pilot, plan, generated)
+    ``pilot``, ``plan``: their JSON files; ``generated``: the generate jobs' summaries;
+    ``benchmarks``: Snakemake's benchmark folder (time per stage); ``about``: :func:`provenance`."""
+    summary = summarize(config, manifest, qa_summary, gates, checkpoint, eval_file, durability, pilot, plan, generated,
+                        benchmarks, about)
     write_json(json_path, summary)
     with atomic_path(html_path) as tmp:
         tmp.write_text(render_html(summary), encoding="utf-8")

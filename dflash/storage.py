@@ -236,7 +236,9 @@ def safe_to_destroy(workdir: Path, output_dir: str, prefix: str | None, skip=(),
             key = f"{key_root}/{path.relative_to(root).as_posix()}"
             why = _at_risk(path, stored.get(key), part_bytes) if prefix else "no storage: this run writes only here"
             if why:
-                files.append((str(path.relative_to(workdir)), path.stat().st_size, why))
+                # an output_dir outside the workdir (output_dir: /scratch/results) is named as it is
+                files.append((str(path.relative_to(workdir) if path.is_relative_to(workdir) else path),
+                              path.stat().st_size, why))
     incomplete = [p for p in _incomplete(workdir / ".snakemake" / "incomplete")
                   if p not in skipped and os.path.abspath(workdir / p) not in skipped]
     total = sum(size for _, size, _ in files)

@@ -1,6 +1,7 @@
 rule qa_report:
     """The QA page: rates per check and category, length distributions, examples per reason.
-    It needs no gate, so it can be built to see why one failed."""
+    It needs no gate, so it can be built to see why one failed. The page's date, config digest and
+    pipeline commit are found by the job itself: a commit alone does not re-run it."""
     input:
         f"{OUT}/qa/summary.json",
     output:
@@ -14,8 +15,10 @@ rule qa_report:
 
 
 rule report:
-    """One page: counts per stage, QA rates, the gates, the loss curve, acceptance per category,
-    and whether the run's outputs are in the storage (safe to destroy the machine)."""
+    """One page that leads with the answer (records kept, trainable tokens, acceptance trained vs
+    untrained, gates, generation's cost, time per stage), then counts per stage, QA rates, the
+    gates, the loss curve, acceptance per category, and whether the run's outputs are in the
+    storage (safe to destroy the machine)."""
     input:
         manifest=lambda wildcards: prompt_file("manifest.json"),
         qa=f"{OUT}/qa/summary.json",
@@ -31,6 +34,8 @@ rule report:
         pilot_generated=f"{OUT}/pilot/generate.json",
     params:
         storage_prefix=STORAGE_PREFIX,
+        # time per stage: read as found (every job upstream has written its benchmark file by then)
+        benchmarks=BENCH,
     output:
         html=report(f"{OUT}/report/summary.html", caption="../report/summary.rst", category="Summary"),
         json=f"{OUT}/report/summary.json",

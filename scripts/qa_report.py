@@ -1,7 +1,11 @@
+from pathlib import Path
+
 from dflash.workflow import start_job
 
 start_job(snakemake)
 
-from dflash.report import write_qa_page  # noqa: E402
+from dflash.report import provenance, write_qa_page  # noqa: E402
 
-write_qa_page(snakemake.input[0], snakemake.output[0])
+# computed here, not passed as a param: a new commit alone must not re-run the page
+about = provenance(snakemake.config, Path(snakemake.scriptdir).parent)
+write_qa_page(snakemake.input[0], snakemake.output[0], about, snakemake.config["run"])

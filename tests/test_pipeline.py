@@ -51,7 +51,7 @@ def pipeline(tmp_path_factory, demo_sources):
 
 
 def test_whole_chain_runs_and_writes_every_stage(pipeline):
-    work, _ = pipeline
+    work, out = pipeline
     res = work / "results"
     manifest = read_json(res / "prompts" / "manifest.json")
     assert manifest["prompts"] == 32 and manifest["heldout"] == 8
@@ -78,6 +78,10 @@ def test_whole_chain_runs_and_writes_every_stage(pipeline):
     summary = read_json(res / "report" / "summary.json")
     assert summary["validate"]["records"] == 32 and summary["tokenized"]["rows"] > 0
     assert "Acceptance length" in (res / "report" / "summary.html").read_text()
+    # the run ends with its answer on the console: the report's headline and where the page is
+    tail = out[out.index("run demo ("):]
+    assert re.search(r"^kept: \d+ of 32 completions kept", tail, re.M) and "acceptance length: " in tail
+    assert "report: results/report/summary.html" in tail
     assert "Output length per category" in (res / "report" / "qa.html").read_text()
     for rule in ("prompts", "target", "train/demo", "eval/demo", "report", "gate", "qa_summary", "qa_report"):
         assert (res / "logs" / f"{rule}.log").exists(), rule
