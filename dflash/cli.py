@@ -73,9 +73,10 @@ def _eval(cfg, a):
 
 
 def _report(cfg, a):
-    from dflash.report import write_report
+    from dflash.report import provenance, write_report
 
-    write_report(cfg, a.manifest, a.qa, a.gates, a.checkpoint, a.eval, a.html, a.json)
+    write_report(cfg, a.manifest, a.qa, a.gates, a.checkpoint, a.eval, a.html, a.json,
+                 about=provenance(cfg, Path(__file__).resolve().parents[1]))
 
 
 def _inspect(a) -> int:
