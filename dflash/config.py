@@ -145,7 +145,7 @@ def load_config(path: str | Path, overrides: dict | None = None) -> dict:
 # Sizes that suit the tiny demo target and would waste a real run: a config holding several of the
 # demo's values for a real target was copied from the demo.
 DEMO_SIZED = ("drafter.target_layer_ids", "train.num_anchors", "train.lr", "eval.max_new_tokens",
-              "generate.sampling.max_tokens", "gates.max_category_reject_rate", "gates.min_tool_call_share")
+              "generate.sampling.max_tokens")
 
 
 def _at(config: dict, dotted: str):

@@ -493,7 +493,8 @@ def render_qa_html(qa: dict, about: dict | None = None, run: str | None = None) 
                        qa["length_bins"], c["histogram"], "trainable tokens per row")
         for cat, c in qa["trainable_tokens"]["by_category"].items() if c.get("histogram"))
     examples = "".join(
-        f"<h3>{html.escape(code)} ({qa['checks'][code]['total']} hits, {qa['checks'][code]['action']})</h3>"
+        f"<h3>{html.escape(code)} ({qa['checks'][code]['total']} hit{'s' * (qa['checks'][code]['total'] != 1)}, "
+        f"{qa['checks'][code]['action']})</h3>"
         + "".join(_example_html(code, ex) for ex in found)
         for code, found in qa["examples"].items())
     return _page("Completion quality", f"""
