@@ -315,7 +315,7 @@ def main() -> None:
            "sampling": {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "max_tokens": 4096, "seed": 0},
            "server": {"url": url, "dialect": "vllm", "model": "tiny", "api_key_env": None, "timeout_s": 600,
                       "retries": 0, "extra_body": {}, "concurrency": args.concurrency,
-                      "max_connection_failures": 16}}
+                      "max_connection_failures": 16, "stream": False}}  # the bare client reads whole JSON replies
     (work / "cfg.json").write_text(json.dumps(cfg))
 
     serve_code = (f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); from generate_client import serve; "

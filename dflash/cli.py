@@ -36,7 +36,7 @@ def _target(cfg, a):
 def _generate(cfg, a):
     from dflash.generate import generate_shard
 
-    generate_shard(a.prompts, a.out, a.target, cfg["generate"], a.summary)
+    generate_shard(a.prompts, a.out, a.target, cfg["generate"], a.summary, repetition=cfg["validate"]["repetition"])
 
 
 def _validate(cfg, a):

@@ -28,6 +28,7 @@ from dflash.adopt import adopted_record
 from dflash.chat import finish_reason, output_body, render, served_output, split_reasoning, stop_token_ids
 from dflash.errors import describe
 from dflash.io import atomic_path, iter_jsonl, naming_full_disk, write_json, write_jsonl_zst
+from dflash.loops import LoopWatch
 from dflash.server import wait_for_service
 from dflash.storage import PartialMirror
 from dflash.toolcalls import parse_tool_calls, text_before_calls
@@ -58,6 +59,7 @@ class Generation:
     prompt_tokens: int
     completion_tokens: int
     reconstructed: bool = False  # text rebuilt from parsed server fields, not decoded from ids
+    loop: dict | None = None  # {pattern, first_position} when the client cut a looping stream (loop_abort)
 
 
 class TransformersBackend:
@@ -65,7 +67,7 @@ class TransformersBackend:
 
     name = "transformers"
 
-    def __init__(self, target_dir: str | Path, cfg: dict):
+    def __init__(self, target_dir: str | Path, cfg: dict, repetition: dict | None = None):
         import transformers
 
         from dflash.target import load_target
@@ -74,6 +76,7 @@ class TransformersBackend:
         self.model_name = Path(target_dir).name
         self.engine_version = f"transformers {transformers.__version__}, torch {torch.__version__}"
         self.stop = sorted(stop_token_ids(self.tokenizer, self.model.generation_config))
+        self.loop_thresholds = repetition if cfg.get("loop_abort", True) else None
 
     def generation_config(self):
         return self.model.generation_config
@@ -84,6 +87,9 @@ class TransformersBackend:
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         torch.manual_seed(seed)
         greedy = sampling["temperature"] == 0
+        from transformers import StoppingCriteriaList
+
+        watch = LoopStop(self.tokenizer, self.loop_thresholds) if self.loop_thresholds else None
         out = self.model.generate(
             torch.tensor([prompt_ids]),
             max_new_tokens=sampling["max_tokens"],
@@ -93,12 +99,50 @@ class TransformersBackend:
             top_k=None if greedy else sampling["top_k"],
             eos_token_id=self.stop,
             pad_token_id=self.tokenizer.pad_token_id,
+            stopping_criteria=StoppingCriteriaList([watch]) if watch else None,
         )
         ids = out[0, len(prompt_ids):].tolist()
+        if watch and watch.loop:
+            return Generation(self.tokenizer.decode(ids, skip_special_tokens=False), "loop_abort", prompt_ids, ids,
+                              len(prompt_ids), len(ids), loop=watch.loop)
         finish = "stop" if ids and ids[-1] in self.stop else "length"
         body = ids[:-1] if finish == "stop" else ids
         return Generation(self.tokenizer.decode(body, skip_special_tokens=False), finish, prompt_ids, ids,
                           len(prompt_ids), len(ids))
+
+
+class IncrementalText:
+    """The text of a growing list of token ids, handed out as deltas whose concatenation is the
+    decoding of all ids (as far as it goes): a token ending inside a multi-byte character is held
+    back until the character is complete, and each step decodes only the last few tokens, so a
+    long stream costs linear time (the usual prefix/read-offset detokenizer)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+
+    def add(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix:self.read], skip_special_tokens=False)
+        now = decode(self.ids[self.prefix:], skip_special_tokens=False)
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return now[len(before):]
+
+
+class LoopStop:
+    """A transformers stopping criterion (one prompt, batch of one) that feeds each new token's text
+    to a LoopWatch and stops the generation once it is certainly looping; ``loop`` is then
+    ``{pattern, first_position}``."""
+
+    def __init__(self, tokenizer, thresholds: dict):
+        self.text, self.watch, self.loop = IncrementalText(tokenizer), LoopWatch(**thresholds), None
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        if self.watch.feed(self.text.add([int(input_ids[0, -1])])) and self.loop is None:
+            self.loop = {"pattern": self.watch.loop, "first_position": self.watch.first_position}
+        return torch.tensor([self.loop is not None])
 
 
 class ServerDown(ConnectionError):
@@ -112,6 +156,12 @@ class OpenAIBackend:
     ``text`` is rebuilt from the parsed reasoning, content and tool calls and the record is marked
     ``generation.reconstructed``.
 
+    With ``stream`` (SSE), the ids come chunk by chunk; given ``repetition`` thresholds (the
+    validator's) and ``loop_abort``, the text so far goes through a ``LoopWatch``, and once it is
+    certainly looping the client closes the connection, which makes the server abort the request
+    (vLLM: ``vllm:generation_tokens_total`` stops growing), and the generation ends as
+    ``loop_abort`` with the ids received.
+
     ``max_connection_failures`` connection failures in a row (over all threads, no reply in
     between) mean the server is gone: every request then ends at once with ``ServerDown`` instead
     of retrying each remaining prompt with backoff (an hour for a 5,000-prompt shard)."""
@@ -119,8 +169,17 @@ class OpenAIBackend:
     name = "openai"
     ID_REQUESTS = {"openai": {}, "vllm": {"return_token_ids": True, "skip_special_tokens": False},
                    "sglang": {"return_prompt_token_ids": True, "return_token_ids": True, "skip_special_tokens": False}}
+    # Dialects whose chat stream carries the exact ids. vLLM 0.32 (vllm/entrypoints/openai/
+    # chat_completion/serving.py): with return_token_ids, top-level prompt_token_ids on the first
+    # chunk, choices[0].token_ids (the new ids) on every later one, finish_reason on the last,
+    # usage in a last choice-less chunk with stream_options.include_usage. SGLang (sgl-project/
+    # sglang python/sglang/srt/entrypoints/openai/serving_chat.py at 002897c2, sse_utils.py at
+    # 06713058): its stream chunks hold role, content, reasoning_content and logprobs only, and
+    # return_prompt_token_ids with stream is refused ("not supported with streaming"), so a
+    # streamed SGLang record could not keep its ids. The openai dialect has no ids at all.
+    STREAM_IDS = {"vllm"}
 
-    def __init__(self, target_dir: str | Path, cfg: dict):
+    def __init__(self, target_dir: str | Path, cfg: dict, repetition: dict | None = None):
         from transformers import AutoTokenizer, GenerationConfig
 
         server = cfg["server"]
@@ -148,6 +207,14 @@ class OpenAIBackend:
             self._generation_config = GenerationConfig()
         self.stop = stop_token_ids(self.tokenizer, self._generation_config)
         self.engine_version = f"{self.dialect} server at {self.url}"
+        stream = server.get("stream")
+        if stream and self.dialect not in self.STREAM_IDS:
+            raise ValueError(f"generate.server.stream is true but the {self.dialect} dialect's chat stream carries no "
+                             f"exact token ids (only {', '.join(sorted(self.STREAM_IDS))}'s does): set it to null "
+                             f"(stream where the ids come with it) or false")
+        self.stream = self.dialect in self.STREAM_IDS if stream is None else stream
+        # The LoopWatch thresholds: the validator's, so that an aborted record is one it rejects.
+        self.loop_thresholds = repetition if self.stream and cfg.get("loop_abort", True) and repetition else None
 
     def generation_config(self):
         return self._generation_config
@@ -168,21 +235,27 @@ class OpenAIBackend:
                                     f"reply since (last: {error})")
                 self.down.set()
 
-    def _post(self, body: dict) -> dict:
+    def _read_json(self, response) -> dict:
+        raw = response.read()
+        self._answered()
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            raise ValueError(f"malformed response from {self.url}: not JSON: {self.redact(repr(raw[:200]))}") from None
+
+    def _post(self, body: dict, read=None):
+        """``read(response)`` of the server's reply to ``body`` (default: its JSON), with retries.
+        A stream cut by a connection error is requested again whole (same seed)."""
+        read = read or self._read_json
         data = json.dumps(body).encode("utf-8")
         for attempt in range(self.retries + 1):
             if self.down.is_set():
                 raise ServerDown(self.down_reason)
             request = urllib.request.Request(f"{self.url}/chat/completions", data=data, headers=self.headers)
             try:
+                # Leaving the block closes the connection: how a stream cut for a loop aborts the request.
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    raw = response.read()
-                self._answered()
-                try:
-                    return json.loads(raw)
-                except json.JSONDecodeError:
-                    raise ValueError(f"malformed response from {self.url}: not JSON: "
-                                     f"{self.redact(repr(raw[:200]))}") from None
+                    return read(response)
             except urllib.error.HTTPError as e:
                 self._answered()
                 detail = self.redact(e.read().decode("utf-8", "replace")[:500])
@@ -208,6 +281,8 @@ class OpenAIBackend:
             body["top_k"] = sampling["top_k"]
         if prompt.get("tools"):
             body["tools"] = prompt["tools"]
+        if self.stream:
+            body.update(stream=True, stream_options={"include_usage": True})
         return body
 
     def wire_message(self, message: dict) -> dict:
@@ -226,7 +301,10 @@ class OpenAIBackend:
         return message
 
     def generate(self, prompt: dict, sampling: dict, thinking: bool, seed: int) -> Generation:
-        response = self._post(self.request_body(prompt, sampling, thinking, seed))
+        body = self.request_body(prompt, sampling, thinking, seed)
+        if self.stream:
+            return self._post(body, lambda response: self._read_stream(response, sampling["max_tokens"]))
+        response = self._post(body)
         try:
             choice = response["choices"][0]
             choice["message"]
@@ -246,6 +324,50 @@ class OpenAIBackend:
             reconstructed = True
         return Generation(text, finish, prompt_ids, output_ids, usage.get("prompt_tokens", len(prompt_ids or [])),
                           usage.get("completion_tokens", len(output_ids or [])), reconstructed)
+
+    def _read_stream(self, response, max_tokens: int) -> Generation:
+        """The generation an SSE stream carries: the same one the non-streamed reply would give
+        (ids, text decoded from them, finish reason, usage), or, when the LoopWatch finds a loop
+        before the stream ends, a ``loop_abort`` with the ids received so far."""
+        watch = so_far = None
+        if self.loop_thresholds:
+            watch, so_far = LoopWatch(**self.loop_thresholds), IncrementalText(self.tokenizer)
+        prompt_ids, output_ids, reported, usage, answered = None, [], None, {}, False
+        for line in response:
+            if not line.startswith(b"data:"):
+                continue  # blank separators, SSE comments
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            if not answered:
+                self._answered()
+                answered = True
+            try:
+                chunk = json.loads(data)
+            except json.JSONDecodeError:
+                raise ValueError(f"malformed stream from {self.url}: not JSON: "
+                                 f"{self.redact(repr(data[:200]))}") from None
+            if "error" in chunk:  # vLLM reports a failure after the 200 as a data line
+                raise RuntimeError(f"error in the stream from {self.url}: {self.redact(json.dumps(chunk)[:500])}")
+            prompt_ids = chunk.get("prompt_token_ids") or prompt_ids
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or ():
+                ids = choice.get("token_ids") or []
+                output_ids.extend(ids)
+                reported = choice.get("finish_reason") or reported
+                # A loop seen in the last chunk changes nothing: the generation is over anyway.
+                loop = watch.feed(so_far.add(ids)) if watch and ids and not reported else None
+                if loop:
+                    received = self.tokenizer.decode(output_ids, skip_special_tokens=False)
+                    return Generation(received, "loop_abort", prompt_ids, output_ids, len(prompt_ids or []),
+                                      len(output_ids), loop={"pattern": loop, "first_position": watch.first_position})
+        if not output_ids and usage.get("completion_tokens"):
+            raise ValueError(f"the stream from {self.url} carried no token ids: does the server take "
+                             f"return_token_ids (dialect {self.dialect})?")
+        finish = finish_reason(reported, max_tokens, self.stop, output_ids, usage.get("completion_tokens"))
+        text = self.tokenizer.decode(output_body(output_ids, self.stop), skip_special_tokens=False)
+        return Generation(text, finish, prompt_ids, output_ids, usage.get("prompt_tokens", len(prompt_ids or [])),
+                          usage.get("completion_tokens", len(output_ids)))
 
 
 def _json_text(arguments) -> str:
@@ -290,6 +412,9 @@ def completion_record(prompt: dict, backend, sampling: dict, thinking: bool, ste
                 "generation": generation, "error": f"{type(e).__name__}: {e}"}
     if g.reconstructed:
         generation["reconstructed"] = True
+    if g.loop:
+        generation["loop"] = g.loop
+        generation["max_tokens_saved"] = sampling["max_tokens"] - g.completion_tokens
     reasoning, content = split_reasoning(g.text, thinking)
     return {**record, "text": g.text, "reasoning": reasoning, "content": content, "finish_reason": g.finish_reason,
             "prompt_token_ids": g.prompt_ids, "output_token_ids": g.output_ids,
@@ -430,7 +555,8 @@ def load_partial(path: Path, wanted: set[str]) -> dict[str, list[dict]]:
 
 
 def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: dict,
-                   summary_path: Path | None = None, pilot: Path | None = None, annotate=None) -> dict:
+                   summary_path: Path | None = None, pilot: Path | None = None, annotate=None,
+                   repetition: dict | None = None) -> dict:
     """Generate the completion records of every prompt of the shard, resumably; returns a summary.
 
     Each prompt's records are appended (and flushed) to the partial file once all are finished; a
@@ -439,7 +565,8 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
     records; more failed prompts than ``max_error_fraction``, or a server that stopped answering,
     fail the job instead (finished ones stay for the re-run). ``pilot``: the pilot's completions,
     whose records of this shard's prompts are taken as they are. ``annotate(summary)``: fields
-    added to the summary (the run's spend so far).
+    added to the summary (the run's spend so far). ``repetition``: validate.repetition, the
+    thresholds of the loop watch of a streamed generation (``generate.loop_abort``); None: no watch.
     """
     prompts = list(iter_jsonl(prompts_path))
     ids = [p["id"] for p in prompts]
@@ -455,7 +582,7 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
         mirror.fetch()  # a run on another machine that the node it ran on did not outlive
         from_pilot = seed_from_pilot(partial, pilot, set(ids))
         return _generate_shard(prompts, ids, prompts_path, out_path, partial, target_dir, cfg, summary_path, mirror,
-                               from_pilot, annotate)
+                               from_pilot, annotate, repetition)
 
 
 def seed_from_pilot(partial: Path, pilot: Path | None, ids: set[str]) -> set[str]:
@@ -472,14 +599,14 @@ def seed_from_pilot(partial: Path, pilot: Path | None, ids: set[str]) -> set[str
 
 def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out_path: Path, partial: Path,
                     target_dir: Path, cfg: dict, summary_path: Path | None, mirror: PartialMirror,
-                    from_pilot: set[str], annotate) -> dict:
+                    from_pilot: set[str], annotate, repetition: dict | None) -> dict:
     done = load_partial(partial, set(ids))
     resumed = len(done.keys() - from_pilot)
     pending = [p for p in prompts if p["id"] not in done]
     adopted = [p for p in pending if "imported" in p.get("meta", {})]
     pending = [p for p in pending if "imported" not in p.get("meta", {})]
     # A shard of imported generations needs no model and no server, only the tokenizer.
-    backend = BACKENDS[cfg["backend"]](target_dir, cfg) if pending else None
+    backend = BACKENDS[cfg["backend"]](target_dir, cfg, repetition) if pending else None
     sampling = resolve_sampling(cfg, backend.generation_config()) if pending else None
     thinking = cfg["enable_thinking"]
     concurrency = cfg["server"]["concurrency"] if cfg["backend"] == "openai" else 1
@@ -537,6 +664,7 @@ def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out
     bar.close()
     seconds = time.time() - t0
     records = [r for i in ids for r in (done.get(i) or errors[i])]
+    aborted = [r for r in records if r["finish_reason"] == "loop_abort"]
     summary = {
         "shard": name,
         "prompts": len(prompts),
@@ -547,7 +675,12 @@ def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out
         "adopted": len(adopted),
         "retries": getattr(backend, "retries_done", 0),
         "errors": len(errors),
-        "finish_reasons": {r: sum(x["finish_reason"] == r for x in records) for r in ("stop", "length", "abort", "error")},
+        "finish_reasons": {r: sum(x["finish_reason"] == r for x in records)
+                           for r in ("stop", "length", "abort", "loop_abort", "error")},
+        # Streams cut for a loop: the tokens they had produced, and those their max_tokens would have added.
+        "loop_aborts": {"records": len(aborted),
+                        "tokens_received": sum(r["usage"]["completion_tokens"] for r in aborted),
+                        "tokens_saved": sum(r["generation"]["max_tokens_saved"] for r in aborted)},
         "replay_stops": dict(Counter(r["replay"]["stop"] for r in records if r.get("replay", {}).get("stop"))),
         "output_tokens": tokens,
         "seconds": round(seconds, 2),

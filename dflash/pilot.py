@@ -145,6 +145,7 @@ def summarize_pilot(selection: Path, generated: Path, completions: Path, qa: Pat
         "tokens_per_row": round(tokens.get("tokens", 0) / max(1, tokens.get("rows", 0)), 1),
         "rows_per_record": round(tokens.get("rows", 0) / max(1, len(records)), 4),
         "gates": evaluate_gates(summary, gates),
+        "loop_aborts": gen.get("loop_aborts") or NO_LOOP_ABORTS,
     }
 
 
@@ -162,8 +163,21 @@ def pilot_lines(p: dict) -> list[str]:
                      f"max_tokens, {c['reject_rate']:.0%} rejected"
                      + (f" ({', '.join(f'{k} {v}' for k, v in c['rejected_by_reason'].items())})"
                         if c["rejected_by_reason"] else ""))
+    if (a := p.get("loop_aborts", NO_LOOP_ABORTS))["records"]:
+        lines.append(f"  loop aborts: {loop_abort_text(a, t['output_tokens'])}")
     lines += [f"  {'pass' if g['passed'] else 'FAIL'}: {g['message']}" for g in p["gates"]]
     return lines
+
+
+NO_LOOP_ABORTS = {"records": 0, "tokens_received": 0, "tokens_saved": 0}
+
+
+def loop_abort_text(aborts: dict, output_tokens: int) -> str:
+    """Generations cut once looping and the tokens not generated, against the output tokens."""
+    share = aborts["tokens_saved"] / max(1, output_tokens + aborts["tokens_saved"])
+    return (f"{aborts['records']:,} looping generation{'s' * (aborts['records'] != 1)} cut after "
+            f"{aborts['tokens_received']:,} tokens, {aborts['tokens_saved']:,} tokens not generated "
+            f"({share:.1%} of what generation would have produced)")
 
 
 def pilot_records(path: Path | None, ids: set[str]) -> dict[str, list[dict]]:

@@ -88,6 +88,13 @@ def forecast(config: dict, counts: dict, pilot: dict | None = None, output_token
         raise ValueError("no figure to forecast output tokens from: run the pilot (snakemake pilot), or give "
                          "plan.mean_output_tokens or --output-tokens")
     low, high = max(0.0, tokens - spread), tokens + spread
+    # The pilot's tokens per prompt count a generation cut for looping at the tokens it received:
+    # the forecast already holds the saving; this says how much it is.
+    aborts = (pilot or {}).get("loop_aborts") or {}
+    loop_abort = None
+    if tokens_from == "pilot" and aborts.get("records"):
+        saved = aborts["tokens_saved"] / max(1, pilot["throughput"]["output_tokens"])
+        loop_abort = {**aborts, "saved_per_output_token": saved, "output_tokens_without": tokens * (1 + saved)}
     kinds = _rates(config, pilot)
     generation = {}
     for kind, k in kinds.items():
@@ -138,6 +145,7 @@ def forecast(config: dict, counts: dict, pilot: dict | None = None, output_token
             "train": 1, "eval": 1, "qa_summary": 1, "gate": 1, "report": 1}
     return {"prompts": prompts, "categories": counts["categories"], "counted_from": counts["from"],
             "output_tokens": tokens, "output_tokens_range": [low, high], "output_tokens_from": tokens_from,
+            "loop_abort": loop_abort,
             "generation": generation, "sizes": sizes, "training": training, "jobs": jobs}
 
 
@@ -162,6 +170,11 @@ def plan_lines(plan: dict) -> list[str]:
     span = f" ({_count(low)} to {_count(high)})" if high > low else ""
     lines = [f"plan: {plan['prompts']:,} prompts (from {plan['counted_from']}), {_count(plan['output_tokens'])} output "
              f"tokens{span} (from {plan['output_tokens_from']})"]
+    if a := plan.get("loop_abort"):
+        lines.append(f"  loop aborts: the pilot cut {a['records']:,} looping generation{'s' * (a['records'] != 1)}, "
+                     f"{a['tokens_saved']:,} tokens not generated; the forecast counts them as cut (without "
+                     f"generate.loop_abort: {_count(a['output_tokens_without'])} output tokens, "
+                     f"{a['saved_per_output_token']:+.1%})")
     for kind, g in plan["generation"].items():
         if not g["forecast"]:
             lines.append(f"  {kind}: no generation rate: set plan.profiles.{kind}.output_tokens_per_s, or run the "

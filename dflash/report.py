@@ -87,8 +87,11 @@ def _generation(config: dict, summaries: list[dict]) -> dict:
     """What generation took and cost over its jobs' summaries (as generate.budget counts it)."""
     from dflash.budget import spend
 
+    from dflash.pilot import NO_LOOP_ABORTS
+
     return {**spend(summaries, config), "requests": sum(s["requests"] for s in summaries),
-            "job_seconds": round(sum(s["seconds"] for s in summaries), 2), "budget": config["generate"]["budget"]}
+            "job_seconds": round(sum(s["seconds"] for s in summaries), 2), "budget": config["generate"]["budget"],
+            "loop_aborts": {k: sum(s.get("loop_aborts", NO_LOOP_ABORTS)[k] for s in summaries) for k in NO_LOOP_ABORTS}}
 
 
 DURABILITY_LINES = 20  # files at risk named on the page; the count covers all
@@ -202,7 +205,21 @@ def _generation_fact(g: dict | None) -> tuple[str, str] | None:
             else "no price (set generate.budget.profile and its plan.profiles gpu_hour_price)")
     main = f"{human_duration(g['wall_hours'] * 3600)} wall, " + (cost if g["cost"] is not None else "cost unknown")
     return main, (f"{g['requests']:,} requests, {g['output_tokens']:,} output tokens, {g['node_hours']:.3g} "
-                  f"node-hours" + ("" if g["cost"] is not None else f"; {cost}") + ".")
+                  f"node-hours" + ("" if g["cost"] is not None else f"; {cost}") + "." + _loop_abort_saving(g))
+
+
+def _loop_abort_saving(g: dict) -> str:
+    """The looping generations cut early and what generating their remaining tokens would have
+    cost at the run's own rate (node-hours per output token)."""
+    from dflash.pilot import loop_abort_text
+
+    a = g.get("loop_aborts")
+    if not a or not a["records"]:
+        return ""
+    per_token = g["node_hours"] / max(1, g["output_tokens"])
+    cost = f", ${a['tokens_saved'] * per_token * g['cost'] / g['node_hours']:,.2f}" if g["cost"] and g["node_hours"] else ""
+    return (f" Loop aborts: {loop_abort_text(a, g['output_tokens'])}; about "
+            f"{a['tokens_saved'] * per_token:.3g} node-hours{cost} at this run's rate.")
 
 
 def _time_fact(stages: dict | None) -> tuple[str, str] | None:
@@ -615,7 +632,7 @@ def _generation_html(g: dict | None, plan: dict | None) -> str:
     return (f"<h2>Generation</h2><p>{g['requests']:,} requests, {g['output_tokens']:,} output tokens{forecast}; "
             f"{human_duration(g['wall_hours'] * 3600)} while any generate job ran ({human_duration(g['job_seconds'])} of job "
             f"time), {g['node_hours']:.3g} node-hours{cost}" + (f"; budget: {html.escape(limits)}" if limits else "")
-            + "</p>")
+            + "." + html.escape(_loop_abort_saving(g)) + "</p>")
 
 
 def _plan_html(pilot: dict | None, plan: dict | None) -> str:

@@ -14,7 +14,7 @@ from bisect import bisect_right
 from collections import Counter, defaultdict
 from itertools import accumulate, islice
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from dflash.io import SHARD_RE, iter_jsonl, iter_jsonl_lines, jsonl_zst_writer, with_field, write_json
 from dflash.toolcalls import check_tool_calls
@@ -40,25 +40,45 @@ def _thinking(rec: dict) -> bool:
     return bool(rec.get("generation", {}).get("enable_thinking", rec.get("reasoning") is not None))
 
 
-def repetition_loop(text: str, min_repeats: int, min_chars: int) -> str | None:
-    """Where the text loops, or None: identical lines or blocks of up to 8 lines repeated
-    ``min_repeats`` times in a row over ``min_chars`` characters; a tail that is one span over and
-    over (no line breaks needed); or one line making up half of the last 40. Lines that are alike
-    but not identical (code, tables, numbered lists, data) never count."""
-    lines = text.split("\n")
-    counts = Counter(lines)
-    least = min(min_repeats, 10)  # 10: the last check below needs a line 10 times or more
-    frequent = {line for line, n in counts.items() if n >= least and line.strip()} \
-        if max(counts.values()) >= least else set()
+BLOCK_LINES = 8  # the longest block of lines a loop repeats
+TAIL_PROBE = 32  # the tail's last this many characters must recur for it to repeat a span
+# one line of 8 characters or more (stripped) making half of the last 40 non-empty lines (20 at least)
+RECENT_LINES, RECENT_MIN, RECENT_CHARS = 40, 20, 8
+
+
+class Loop(NamedTuple):
+    detail: str  # what repeats, as repetition_loop says it
+    start: int  # character offset of the loop's first repetition
+
+
+def tail_window(min_chars: int) -> int:
+    """How many characters at the end of a text the tail check looks at."""
+    return 4 * max(min_chars, 512)
+
+
+def frequent_lines(counts: Counter, least: int) -> set[str]:
+    """The non-blank lines that come ``least`` times or more."""
+    return {line for line, n in counts.items() if n >= least and line.strip()} \
+        if max(counts.values(), default=0) >= least else set()
+
+
+def line_blocks(lines: list[str], min_repeats: int, min_chars: int,
+                frequent: set[str] | None = None) -> tuple[str, int] | None:
+    """Identical lines or blocks of up to 8 lines repeated ``min_repeats`` times in a row over
+    ``min_chars`` characters: (detail, index of the stretch's first line), or None. A stretch that
+    qualifies still does with more lines after it, and inside any run of lines holding it.
+    ``frequent``: frequent_lines(Counter(lines), min(min_repeats, 10)), when already known (10: see find_loop)."""
+    if frequent is None:
+        frequent = frequent_lines(Counter(lines), min(min_repeats, RECENT_MIN // 2))
     # A loop of blocks of up to 8 lines brings some frequent line back within 8 lines; most texts
     # have none, and skip the scans below.
     close_repeat, last_seen = False, {}
     for i in [i for i, line in enumerate(lines) if line in frequent] if frequent else ():
-        close_repeat = close_repeat or i - last_seen.get(lines[i], -9) <= 8
+        close_repeat = close_repeat or i - last_seen.get(lines[i], -BLOCK_LINES - 1) <= BLOCK_LINES
         last_seen[lines[i]] = i
     if close_repeat:
         ends = list(accumulate(len(ln) + 1 for ln in lines))  # ends[j]: chars up to the end of line j
-    for k in range(1, 9) if close_repeat else ():
+    for k in range(1, BLOCK_LINES + 1) if close_repeat else ():
         equal = 0  # how many lines in a row equal the line k before them
         for i in range(k, len(lines) + 1):
             if i < len(lines) and lines[i] == lines[i - k]:
@@ -68,23 +88,63 @@ def repetition_loop(text: str, min_repeats: int, min_chars: int) -> str | None:
             if (equal >= k * (min_repeats - 1) and ends[last] - (ends[first - 1] if first else 0) >= min_chars
                     and any(ln.strip() for ln in lines[first:first + k])):
                 unit = "\n".join(lines[first:first + k])
-                return f"{(equal + k) // k} x {unit[:60]!r} ({k} line{'s' * (k > 1)} in a row)"
+                return f"{(equal + k) // k} x {unit[:60]!r} ({k} line{'s' * (k > 1)} in a row)", first
             equal = 0
-    tail = text[-4 * max(min_chars, 512):]
-    probe = tail[-32:]
-    previous = tail.rfind(probe, 0, len(tail) - 1) if len(probe) == 32 else -1
+    return None
+
+
+def tail_span(tail: str, min_repeats: int, min_chars: int) -> tuple[str, int] | None:
+    """A text's last ``tail_window`` characters that end in one span over and over (no line breaks
+    needed): (detail, the span's period), or None."""
+    probe = tail[-TAIL_PROBE:]
+    previous = tail.rfind(probe, 0, len(tail) - 1) if len(probe) == TAIL_PROBE else -1
     if previous >= 0:
-        period = len(tail) - 32 - previous
+        period = len(tail) - TAIL_PROBE - previous
         run = max(period * (min_repeats - 1), min_chars - period)
         if run + period <= len(tail) and tail[-run:] == tail[-run - period:-period]:
-            return f"the tail repeats {tail[-period:][:60]!r} (period {period} chars)"
-    if not any(counts[line] >= 10 for line in frequent):  # too rare to be half of 20 lines or more
-        return None
-    recent = list(islice((ln for ln in reversed(lines) if ln.strip()), 40))
-    common = Counter(ln for ln in recent if len(ln.strip()) >= 8).most_common(1)
-    if len(recent) >= 20 and common and common[0][1] * 2 >= len(recent):
-        return f"{common[0][1]} of the last {len(recent)} lines are {common[0][0][:60]!r}"
+            return f"the tail repeats {tail[-period:][:60]!r} (period {period} chars)", period
     return None
+
+
+def recent_line(lines: list[str]) -> tuple[str, int] | None:
+    """One line of 8 characters or more making up half of the last 40 non-empty lines (20 at
+    least): (detail, index of its first line among them), or None. Looks at the end only."""
+    recent = list(islice((i for i in range(len(lines) - 1, -1, -1) if lines[i].strip()), RECENT_LINES))
+    common = Counter(lines[i] for i in recent if len(lines[i].strip()) >= RECENT_CHARS).most_common(1)
+    if len(recent) >= RECENT_MIN and common and common[0][1] * 2 >= len(recent):
+        line = common[0][0]
+        return (f"{common[0][1]} of the last {len(recent)} lines are {line[:60]!r}",
+                min(i for i in recent if lines[i] == line))
+    return None
+
+
+def find_loop(text: str, min_repeats: int, min_chars: int) -> Loop | None:
+    """Where the text loops, or None: identical lines or blocks of up to 8 lines repeated
+    ``min_repeats`` times in a row over ``min_chars`` characters; a tail that is one span over and
+    over (no line breaks needed); or one line making up half of the last 40. Lines that are alike
+    but not identical (code, tables, numbered lists, data) never count. The start of a repeating
+    tail is where the span begins to repeat, however far back."""
+    lines = text.split("\n")
+    counts = Counter(lines)
+    # 10 (half of RECENT_MIN) and not more: recent_line needs a line 10 times or more
+    frequent = frequent_lines(counts, min(min_repeats, RECENT_MIN // 2))
+    hit = line_blocks(lines, min_repeats, min_chars, frequent)
+    if hit is None and (span := tail_span(text[-tail_window(min_chars):], min_repeats, min_chars)):
+        period, start = span[1], len(text) - span[1]
+        while start >= period and text[start - period:start] == text[start:start + period]:
+            start -= period
+        while start and text[start - 1] == text[start - 1 + period]:
+            start -= 1
+        return Loop(span[0], start)
+    if hit is None and any(counts[line] >= RECENT_MIN // 2 for line in frequent):  # most texts have none
+        hit = recent_line(lines)
+    return hit and Loop(hit[0], sum(len(ln) + 1 for ln in islice(lines, hit[1])))
+
+
+def repetition_loop(text: str, min_repeats: int, min_chars: int) -> str | None:
+    """What repeats where the text loops (see find_loop), or None: the check of the same name."""
+    loop = find_loop(text, min_repeats, min_chars)
+    return loop.detail if loop else None
 
 
 def encoding_problem(text: str) -> str | None:

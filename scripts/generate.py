@@ -25,4 +25,5 @@ if pilot and (budget["max_node_hours"] is not None or budget["max_cost"] is not 
     def annotate(summary):  # the run's spend once this shard is done, as the budget counts it
         return {"run_spend": spend(measured + [summary], config)}
 
-generate_shard(i.prompts, out.completions, i.target, cfg, out.summary, pilot=pilot, annotate=annotate)
+generate_shard(i.prompts, out.completions, i.target, cfg, out.summary, pilot=pilot, annotate=annotate,
+               repetition=config["validate"]["repetition"])  # the loop watch judges as validation will

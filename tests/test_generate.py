@@ -146,3 +146,44 @@ def test_a_second_job_on_a_shard_waits_and_keeps_what_the_first_wrote(tmp_path, 
     assert read_jsonl(out) == first and not partial_path(out).exists()
     with open(lock) as f:  # released
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_a_looping_generation_is_cut_in_process(tmp_path, prompt_shard, target_dir):
+    """The transformers backend watches each token: with repetition_penalty 0.3 in the target's
+    generation_config (a penalty under 1 favours tokens already written: a real model made to loop)
+    and greedy decoding, the records the watch cuts are the first tokens of the ones an uncut run
+    writes (the watch changes nothing but where it stops), end as loop_abort with the loop and the
+    tokens saved, and validation rejects them as repetition_loop; the others are identical."""
+    import shutil
+
+    from dflash.validate import validate_shard
+
+    path, prompts = prompt_shard
+    looping = tmp_path / "target"
+    shutil.copytree(target_dir, looping)
+    config = json.loads((looping / "generation_config.json").read_text())
+    (looping / "generation_config.json").write_text(json.dumps({**config, "repetition_penalty": 0.3}))
+    repetition, cap = {"min_repeats": 4, "min_chars": 200}, 600
+    runs = {}
+    for abort in (True, False):
+        cfg = {**gen_cfg(temperature=0.0, max_tokens=cap), "loop_abort": abort}
+        runs[abort] = generate_shard(path, tmp_path / f"{abort}.jsonl.zst", looping, cfg, repetition=repetition)
+    cut, whole = (read_jsonl(tmp_path / f"{abort}.jsonl.zst") for abort in (True, False))
+    aborted = [(c, w) for c, w in zip(cut, whole) if c["finish_reason"] == "loop_abort"]
+    assert aborted and runs[False]["loop_aborts"] == {"records": 0, "tokens_received": 0, "tokens_saved": 0}
+    for c, w in aborted:
+        received = len(c["output_token_ids"])
+        assert c["output_token_ids"] == w["output_token_ids"][:received] and received < len(w["output_token_ids"])
+        assert c["usage"]["completion_tokens"] == received and c["generation"]["max_tokens_saved"] == cap - received
+        assert c["text"] == w["text"][:len(c["text"])]
+        assert c["generation"]["loop"]["pattern"] and 0 <= c["generation"]["loop"]["first_position"] < len(c["text"])
+    assert [c for c in cut if c["finish_reason"] != "loop_abort"] == [w for c, w in zip(cut, whole)
+                                                                     if c["finish_reason"] != "loop_abort"]
+    assert runs[True]["loop_aborts"] == {"records": len(aborted),
+                                         "tokens_received": sum(len(c["output_token_ids"]) for c, _ in aborted),
+                                         "tokens_saved": sum(cap - len(c["output_token_ids"]) for c, _ in aborted)}
+    print(f"in-process loop abort: {runs[True]['loop_aborts']}")
+    validate_shard(tmp_path / "True.jsonl.zst", tmp_path / "v.jsonl.zst", tmp_path / "r.jsonl.zst", tmp_path / "qa.json",
+                   {"checks": {}, "trivial_min_tokens": 0, "repetition": repetition})
+    rejected = {r["id"]: r["qa"]["reasons"] for r in read_jsonl(tmp_path / "r.jsonl.zst")}
+    assert all("repetition_loop" in rejected.get(c["id"], []) for c, _ in aborted)

@@ -134,7 +134,7 @@ def test_truncated_generation_stops_the_conversation(backend, exchange_prompt, m
 def test_shard_with_replays_resumes_whole_conversations(tmp_path, target_dir, exchange_prompt, demo_sources,
                                                         monkeypatch):
     monkeypatch.setitem(generate.BACKENDS, "transformers",
-                        lambda target, cfg: scripted(TransformersBackend(target, cfg), [RATE, CONVERT, ANSWER]))
+                        lambda target, cfg, repetition: scripted(TransformersBackend(target, cfg), [RATE, CONVERT, ANSWER]))
     chat = next(read_source(next(s for s in demo_sources if s["name"] == "demo-chat")))
     shard, out = tmp_path / "shard-00000.jsonl.zst", tmp_path / "out.jsonl.zst"
     write_jsonl_zst(shard, [exchange_prompt, chat])

@@ -196,3 +196,81 @@ def test_tool_call_cut_by_max_tokens_is_a_length_finish(vllm, qwen3_target, demo
                             tmp_path / "qa.json", {"checks": {}, "trivial_min_tokens": 0,
                                                    "repetition": {"min_repeats": 4, "min_chars": 200}})
     assert report["rejected"] == 1 and "finish_length" in read_jsonl(tmp_path / "r.jsonl.zst")[0]["qa"]["reasons"]
+
+
+FORCED_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nAmsterdam\n</parameter>\n</function>\n"
+               "</tool_call>")
+
+
+def test_streamed_record_equals_the_plain_one(vllm, qwen3_target, demo_sources, tmp_path):
+    """At temperature 0 the same prompt, once streamed (SSE, ids chunk by chunk) and once as a plain
+    request, gives the identical record: ids, text, reasoning/content split, finish reason, usage.
+    A chat prompt runs to max_tokens; a tool prompt forced to call get_weather stops on <|im_end|>."""
+    chat = next(iter(read_source(demo_sources[0])))
+    tool_source = next(s for s in demo_sources if s["name"] == "demo-tool")
+    tool = next(r for r in read_source(tool_source) if "rain in Amsterdam" in r["messages"][-1]["content"])
+    forced = {"structured_outputs": {"regex": r"[a-z ]{1,20}\n</think>\n\n" + re.escape(FORCED_CALL)}}
+    cases = [("chat", chat, {}, 64, "length"), ("tool", tool, forced, 120, "stop")]
+    for name, prompt, extra_body, cap, finish in cases:
+        write_jsonl_zst(tmp_path / f"{name}.jsonl.zst", [{**prompt, "meta": {}}])  # one generation, no replay
+        records = []
+        for stream in (False, True):
+            cfg = settings(vllm.url, stream=stream, concurrency=1, extra_body=extra_body)
+            cfg["sampling"].update(temperature=0.0, max_tokens=cap)
+            out = tmp_path / f"{name}-{stream}.jsonl.zst"
+            assert generate_shard(tmp_path / f"{name}.jsonl.zst", out, qwen3_target, cfg)["errors"] == 0
+            records += read_jsonl(out)
+        plain, streamed = records
+        assert streamed == plain
+        assert streamed["finish_reason"] == finish and streamed["output_token_ids"] and streamed["prompt_token_ids"]
+        assert streamed["usage"]["completion_tokens"] == len(streamed["output_token_ids"])
+    assert streamed["content"].endswith(FORCED_CALL) and streamed["reasoning"] is not None
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """A counter or gauge of vLLM's Prometheus endpoint, summed over the series with ``labels``."""
+    text = urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=30).read().decode()
+    return sum(float(m.group(2)) for m in re.finditer(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.M)
+               if all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()))
+
+
+def test_looping_stream_is_cut_and_the_server_aborts_it(vllm, qwen3_target, demo_sources, tmp_path):
+    """A structured-output regex makes the model write ``<tool_call>\\n</think>\\n`` over and over
+    (the loop of the run in DESIGN.md) and ``min_tokens`` keeps it from stopping before max_tokens
+    (3,000: ~5 s of this server's time). The loop watch, with the validator's thresholds, finds the
+    loop in the stream; the client closes it; vLLM aborts the request: it never finishes, and the
+    tokens the server generated are about those received, far below max_tokens. The record keeps
+    the ids received and the loop, the summary the tokens saved, and validation rejects it as
+    repetition_loop."""
+    from dflash.validate import validate_shard
+
+    repetition, cap = {"min_repeats": 4, "min_chars": 200}, 3000
+    prompt = next(iter(read_source(demo_sources[0])))
+    write_jsonl_zst(tmp_path / "shard-00000.jsonl.zst", [prompt])
+    loop = {"structured_outputs": {"regex": "(<tool_call>\n</think>\n)+"}, "min_tokens": cap}
+    cfg = settings(vllm.url, concurrency=1, extra_body=loop)
+    cfg["sampling"].update(temperature=0.0, max_tokens=cap)
+    finished = sum(metric(vllm.url, "vllm:request_success_total", finished_reason=r) for r in ("stop", "length"))
+    generated_before = metric(vllm.url, "vllm:generation_tokens_total")
+    summary = generate_shard(tmp_path / "shard-00000.jsonl.zst", tmp_path / "c.jsonl.zst", qwen3_target, cfg,
+                             repetition=repetition)
+    (rec,) = read_jsonl(tmp_path / "c.jsonl.zst")
+    received = len(rec["output_token_ids"])
+    assert rec["finish_reason"] == "loop_abort" and rec["error"] is None
+    assert rec["usage"]["completion_tokens"] == received < 100
+    assert rec["text"].startswith("<tool_call>\n</think>\n" * 5) and len(rec["text"]) >= repetition["min_chars"]
+    assert rec["generation"]["loop"]["first_position"] == 0 and "<tool_call>" in rec["generation"]["loop"]["pattern"]
+    assert rec["generation"]["max_tokens_saved"] == cap - received
+    assert summary["finish_reasons"]["loop_abort"] == 1
+    assert summary["loop_aborts"] == {"records": 1, "tokens_received": received, "tokens_saved": cap - received}
+    # the server stopped: nothing left running, the request never finished, its tokens stop near the cut
+    while metric(vllm.url, "vllm:num_requests_running") > 0:
+        time.sleep(0.1)
+    assert sum(metric(vllm.url, "vllm:request_success_total", finished_reason=r) for r in ("stop", "length")) == finished
+    generated = metric(vllm.url, "vllm:generation_tokens_total") - generated_before
+    print(f"loop abort: {received} tokens received, server generated {generated:.0f}, "
+          f"{cap - received} of max_tokens {cap} saved")
+    assert received <= generated < cap / 4
+    report = validate_shard(tmp_path / "c.jsonl.zst", tmp_path / "v.jsonl.zst", tmp_path / "r.jsonl.zst",
+                            tmp_path / "qa.json", {"checks": {}, "trivial_min_tokens": 0, "repetition": repetition})
+    assert report["rejected"] == 1 and "repetition_loop" in read_jsonl(tmp_path / "r.jsonl.zst")[0]["qa"]["reasons"]

@@ -71,3 +71,34 @@ def test_a_plan_before_the_prompts_exist_counts_the_sources(tmp_path):
     assert missing.returncode == 1 and missing.stderr.strip().splitlines() == [
         "dflash plan: no figure to forecast output tokens from: run the pilot (snakemake pilot), or give "
         "plan.mean_output_tokens or --output-tokens"]
+
+
+def test_the_plan_says_what_loop_aborts_saved_in_the_pilot():
+    """The pilot's tokens per prompt count a generation cut for looping at the tokens received, so
+    the forecast holds the saving; the plan says how much it is, the pilot's lines and the report's
+    generation facts too."""
+    from dflash.pilot import pilot_lines
+    from dflash.report import _generation_fact
+
+    cfg = load_config(ROOT / "config/qwen3.6-27b.yaml")
+    per_prompt = {"n": 100, "mean": 2000.0, "sd": 500.0}
+    aborts = {"records": 3, "tokens_received": 600, "tokens_saved": 20_000}
+    pilot = {"records": 100, "prompts": 100, "categories": {"tool": {"output_tokens_per_prompt": per_prompt}},
+             "throughput": {"output_tokens": 200_000, "output_tokens_per_s": 1000.0, "requests_per_s": 0.5,
+                            "output_tokens_per_s_per_gpu": None, "gpus": None},
+             "bytes_per_output_token": 4.0, "reject_rate": 0.1, "records_per_prompt": 1.0, "rows_per_record": 1.0,
+             "tokens_per_row": 2500.0, "trivial_share": 0.0, "gates": [], "loop_aborts": aborts}
+    counts = {"prompts": 10_000, "categories": {"tool": 10_000}, "shards": 10, "from": "--prompts"}
+    plan = forecast(cfg, counts, pilot, target="Qwen/Qwen3.6-27B")
+    assert plan["output_tokens"] == 2e7 and plan["loop_abort"]["saved_per_output_token"] == 0.1
+    assert plan["loop_abort"]["output_tokens_without"] == 2.2e7
+    assert ("  loop aborts: the pilot cut 3 looping generations, 20,000 tokens not generated; the forecast counts "
+            "them as cut (without generate.loop_abort: 2.2e7 output tokens, +10.0%)") in plan_lines(plan)
+    assert ("  loop aborts: 3 looping generations cut after 600 tokens, 20,000 tokens not generated (9.1% of what "
+            "generation would have produced)") in pilot_lines({**pilot, "categories": {}})
+    generation = {"wall_hours": 2.0, "node_hours": 2.0, "cost": 100.0, "requests": 100, "output_tokens": 200_000,
+                  "loop_aborts": aborts}
+    assert _generation_fact(generation)[1].endswith(
+        "Loop aborts: 3 looping generations cut after 600 tokens, 20,000 tokens not generated (9.1% of what "
+        "generation would have produced); about 0.2 node-hours, $10.00 at this run's rate.")
+    assert forecast(cfg, counts, {**pilot, "loop_aborts": {**aborts, "records": 0}})["loop_abort"] is None
