@@ -294,7 +294,7 @@ def test_killed_training_resumes_to_the_same_weights(pipeline, tmp_path):
         work = tmp_path / name
         shutil.copytree(pipeline[0], work, symlinks=True)
         config = yaml.safe_load((work / "config.yaml").read_text())
-        config["train"].update(steps=200, save_every=20, log_every=10)
+        config["train"].update(steps=60, save_every=20, log_every=10)
         (work / "config.yaml").write_text(yaml.safe_dump(config))
         runs[name] = work
     snakemake(runs["whole"], "--cores", "2", "results/checkpoints/demo")

@@ -35,7 +35,7 @@ def slurm():
 
 
 def command(work: Path, profile: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "-d", str(work),
+    return [sys.executable, str(ROOT / "tests" / "slurm_snakemake.py"), "-s", str(ROOT / "Snakefile"), "-d", str(work),
             "--profile", str(ROOT / "profiles" / profile), "--profile", str(ROOT / "tests" / "slurm-ci"),
             "--jobs", "3", "--latency-wait", "5", *args, "--configfile", str(work / "config.yaml")]
 
@@ -126,10 +126,10 @@ def test_started_server_holds_a_whole_rtx_node(slurm, tmp_path, demo_sources, ta
 
 @pytest.fixture
 def long_shard(tmp_path, demo_sources, target_dir):
-    """A workdir whose shard 00000 takes tens of seconds to generate on CPU: 80 prompts of 96 tokens,
+    """A workdir whose shard 00000 takes tens of seconds to generate on CPU: 40 prompts of 96 tokens,
     sampled hot enough that the briefly taught target seldom stops early."""
     cfg = small_run_config(tmp_path, demo_sources, target_dir)
-    cfg["prompts"] = {"shard_size": 80, "sources": demo_slice(demo_sources, tmp_path, train=20, heldout=1)}
+    cfg["prompts"] = {"shard_size": 40, "sources": demo_slice(demo_sources, tmp_path, train=10, heldout=1)}
     cfg["generate"]["sampling"].update(max_tokens=96, temperature=1.5, top_k=0, top_p=1.0)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     run(tmp_path, "slurm-b200", "prompts")
@@ -156,7 +156,7 @@ def generate_jobs() -> list[str]:
 def every_id_once(work: Path) -> None:
     prompts = [p["id"] for p in read_jsonl(work / "results" / "prompts" / "shard-00000.jsonl.zst")]
     ids = [c["id"] for c in read_jsonl(work / SHARD)]
-    assert Counter(ids) == Counter(prompts) and len(prompts) == 80
+    assert Counter(ids) == Counter(prompts) and len(prompts) == 40
 
 
 def test_a_cancelled_generate_job_is_rerun_and_resumes(slurm, long_shard):
@@ -172,7 +172,7 @@ def test_a_cancelled_generate_job_is_rerun_and_resumes(slurm, long_shard):
     assert re.search(r"Error in rule generate", out), out[-3000:]  # the cancelled attempt failed, then ran again
     every_id_once(work)
     log = (work / "results" / "logs" / "generate" / "00000.log").read_text()
-    assert re.search(r"resuming, \d+ of 80 prompts already finished", log)
+    assert re.search(r"resuming, \d+ of 40 prompts already finished", log)
 
 
 def test_a_killed_snakemake_resumes_without_duplicates(slurm, long_shard):
@@ -190,7 +190,7 @@ def test_a_killed_snakemake_resumes_without_duplicates(slurm, long_shard):
     run(work, "slurm-b200", SHARD)
     every_id_once(work)
     log = (work / "results" / "logs" / "generate" / "00000.log").read_text()
-    assert "another job is writing this shard" in log and "resuming, 80 of 80 prompts already finished" in log
+    assert "another job is writing this shard" in log and "resuming, 40 of 40 prompts already finished" in log
     deadline = time.time() + 30  # a finished job leaves squeue within seconds
     while generate_jobs():
         assert time.time() < deadline, generate_jobs()

@@ -49,7 +49,7 @@ def test_ddp_and_fsdp_train_the_same_drafter(tiny_target_dir, shards, tmp_path):
 
 @pytest.mark.slow
 def test_killed_ddp_run_resumes_to_the_same_weights(tiny_target_dir, shards, tmp_path):  # noqa: F811
-    cfg = {**TRAIN_CFG, "steps": 600, "log_every": 50, "save_every": 50}
+    cfg = {**TRAIN_CFG, "steps": 200, "log_every": 50, "save_every": 50}
     torchrun(shards, tiny_target_dir, tmp_path / "whole", cfg)
     resume = tmp_path / ".killed.resume"
     run = torchrun(shards, tiny_target_dir, tmp_path / "killed", cfg, wait=False)
