@@ -2,14 +2,15 @@
 # Each stage is a rule over files (rules/*.smk), so Snakemake re-runs only what is stale.
 import json
 import os
+import shutil
 import sys
 import time
-
-import yaml
+from pathlib import Path
 
 from snakemake.utils import min_version, validate
 
-from dflash.config import ConfigError, check_config, demo_sized_problem, schema_path
+from dflash.config import ConfigError, check_config, demo_sized_problem, read_yaml, schema_path
+from dflash.errors import debug_requested
 from dflash.pilot import toggle_problem
 from dflash.storage import check_s3_prefix
 from dflash.workflow import (demo_target_sources, layer_selection, prompt_check_settings, record_settings, shard_ids,
@@ -18,9 +19,26 @@ from dflash.workflow import (demo_target_sources, layer_selection, prompt_check_
 min_version("9.0")
 
 
+def stop(problem):
+    """A configuration problem on the console as its own lines, which name the file and the key,
+    without Snakemake's traceback frames (DFLASH_DEBUG=1 shows them)."""
+    if debug_requested():
+        raise ConfigError(problem)
+    print(problem, file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
 # The demo's config.yaml is read only when no --configfile is given: a real run's file is its whole
-# config (the schema's defaults fill the rest), so the tiny demo's sizes never flow into it.
+# config (the schema's defaults fill the rest), so the tiny demo's sizes never flow into it. Each
+# file is read by us first: Snakemake's reader names neither file nor line of a YAML error and
+# keeps the last of a key given twice. (A --configfile is read by Snakemake before any of this
+# runs: its YAML errors stay Snakemake's message; `dflash plan --config FILE` names file and line.)
 DEMO_CONFIG = "config.yaml"
+try:
+    for path in workflow.overwrite_configfiles or ([DEMO_CONFIG] if os.path.exists(DEMO_CONFIG) else []):
+        read_yaml(path)
+except ConfigError as e:
+    stop(str(e))
 if not workflow.overwrite_configfiles:
 
     configfile: DEMO_CONFIG
@@ -29,15 +47,17 @@ if not workflow.overwrite_configfiles:
 # Our check first: it names the file and the misspelt key, and fills the defaults. Snakemake's
 # validate then sees a config that already passed; its filler would trip over an object that may
 # be null (generate.server.launch), and has nothing left to fill.
-check_config(config, source=", ".join(map(str, workflow.configfiles)) or "config")
+try:
+    check_config(config, source=", ".join(map(str, workflow.configfiles)) or "config")
+except ConfigError as e:
+    stop(str(e))
 validate(config, str(schema_path()), set_default=False)
 if workflow.overwrite_configfiles:
     # ... and a copy of the shipped demo file pointed at a real model is refused by name
-    with open(os.path.join(workflow.basedir, DEMO_CONFIG)) as demo_file:
-        problem = demo_sized_problem(config, yaml.safe_load(demo_file), ", ".join(map(str, workflow.configfiles)),
-                                     DEMO_CONFIG)
+    problem = demo_sized_problem(config, read_yaml(os.path.join(workflow.basedir, DEMO_CONFIG)),
+                                 ", ".join(map(str, workflow.configfiles)), DEMO_CONFIG)
     if problem:
-        raise ConfigError(problem)
+        stop(problem)
 
 OUT = config["output_dir"]
 RUN = config["run"]
@@ -53,6 +73,15 @@ def external(path):
     return ancient(local(path)) if STORED else local(path)
 
 
+def replaced_folder(path):
+    """A folder output its job replaces as a whole, only once the new one is complete
+    (dflash.io.atomic_dir): Snakemake must not delete the old one before the job runs, or a job
+    that fails (a bad new source, a crash) would cost the finished prompts, target or drafter it
+    had (Snakemake restores the old one when the job fails). Not with a default storage: there
+    Snakemake's backup would need a local copy a fresh node does not have."""
+    return directory(path) if STORED else update(directory(path))
+
+
 TARGET_INPUT = external(TARGET) if config["target"]["path"] else TARGET
 S3 = STORED and workflow.storage_settings.default_storage_provider == "s3"
 STORAGE_PREFIX = workflow.storage_settings.default_storage_prefix if STORED else None
@@ -63,7 +92,7 @@ def check_storage(write):
     upload that fails after a paid-for job."""
     problem = check_s3_prefix(STORAGE_PREFIX, workflow.storage_registry.default_storage_provider.s3c, write)
     if problem:
-        raise ConfigError(problem)
+        stop(problem)
 
 
 if S3:
@@ -72,9 +101,30 @@ if S3:
 STARTED = time.time()
 
 
+def settle_backups():
+    """Snakemake backs up a replaced_folder output before its job (update()) and drops the backup
+    when the job ends; a run killed in between leaves it, and Snakemake 9.27 then fails the next
+    job of that output copying onto it. The job replaces the folder only once complete, so the
+    backup is stale: dropped while the folder is there, put back in the rare case the kill came
+    between the job's two renames and the folder is gone."""
+    backup_of = workflow.persistence._get_backup_path  # Snakemake's own mapping: output -> backup
+    checkpoints = Path(f"{OUT}/checkpoints")
+    runs = [checkpoints / b.name for b in backup_of(checkpoints).iterdir()] if backup_of(checkpoints).is_dir() else []
+    for folder in [Path(f"{OUT}/prompts"), Path(f"{OUT}/target"), *runs]:
+        backup = backup_of(folder)
+        if backup.is_dir():
+            if folder.exists():
+                shutil.rmtree(backup)
+            else:
+                logger.warning(f"{folder}: put back from Snakemake's backup (a run was killed while replacing it)")
+                shutil.move(backup, folder)
+
+
 onstart:
     if S3:
         check_storage(write=True)
+    if not STORED:
+        settle_backups()
 
 
 onsuccess:
@@ -89,9 +139,10 @@ onsuccess:
 ONLINE = config["train"]["hidden_states"] == "online"
 PILOT = config["pilot"]["enabled"]
 if not STORED and (problem := toggle_problem(OUT, PILOT)):  # every shard would be generated again
-    raise ConfigError(problem)
+    stop(problem)
 PLANNED = PILOT or bool(config["plan"]["mean_output_tokens"])  # something to forecast output tokens from
 LAUNCH = config["generate"]["server"]["launch"]  # null: no serve jobs, the server is the user's
+os.environ["DFLASH_LAUNCH"] = json.dumps(LAUNCH)  # the serve rule's launcher reads it: never on a command line (ps)
 # Snakemake would quietly cut a job's claim to the machine's GPUs (--resources gpu=N, counted by
 # profiles/local) and run it on fewer than it starts processes for.
 GPUS = workflow.global_resources.get("gpu").value
@@ -99,8 +150,8 @@ if GPUS is not None:
     for key, claim in [("train.gpus", config["train"]["gpus"])] + ([("generate.server.launch.gpus", LAUNCH["gpus"])]
                                                                      if LAUNCH else []):
         if claim > GPUS:
-            raise ConfigError(f"{key} is {claim}, but this run offers {GPUS} GPU(s) (--resources gpu, which "
-                              f"profiles/local sets to the machine's count): lower {key} or run on a bigger node")
+            stop(f"{key} is {claim}, but this run offers {GPUS} GPU(s) (--resources gpu, which profiles/local "
+                 f"sets to the machine's count): lower {key} or run on a bigger node")
 LOGS = f"{OUT}/logs"
 BENCH = f"{OUT}/benchmarks"
 
@@ -121,7 +172,7 @@ localrules:
 wildcard_constraints:
     shard=r"\d{5}",
     server=r"\d+|pilot",
-    run=r"[A-Za-z0-9._-]+",
+    run=r"[A-Za-z0-9_-][A-Za-z0-9._-]*",
 
 
 include: "rules/common.smk"

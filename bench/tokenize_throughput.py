@@ -60,7 +60,7 @@ import time
 import unicodedata
 from pathlib import Path
 
-from validate_throughput import TOOLS, tool_call  # bench/ is on the path when run as a script
+from validate_throughput import SAMPLING, TOOLS, tool_call  # bench/ is on the path when run as a script
 
 from dflash.chat import render_prompt
 from dflash.config import load_config
@@ -173,7 +173,10 @@ class Corpus:
                 "messages": [{"role": "user", "content": question}], "tools": TOOLS if tool else None,
                 "text": text, "reasoning": reasoning, "content": content,
                 "finish_reason": "length" if roll < 0.03 else "stop",
-                "generation": {"backend": "openai", "enable_thinking": True, "model": "synthetic"}, "error": None}
+                "generation": {"backend": "openai", "engine_version": "synthetic", "enable_thinking": True,
+                               "model": "synthetic", "sampling": SAMPLING},
+                "usage": {"prompt_tokens": 0, "completion_tokens": 0}, "error": None,
+                "qa": {"flags": [], "tool_calls": []}}  # as validate leaves a kept record
 
 
 def demo_tokenizer(workdir: Path):

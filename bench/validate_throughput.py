@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("the of and to in is that for it as with was on be by this are or from at which an not have has "
          "value result function list total step first then check case number answer user so we need because "
          "compute return index error sum each order time data table query model token check line").split()
+SAMPLING = {"temperature": 1.0, "top_p": 0.95, "top_k": 20, "seed": 0, "max_tokens": 4096}
 TOOLS = [{"type": "function", "function": {"name": name, "description": f"{name.replace('_', ' ')}.", "parameters": {
     "type": "object", "properties": props, "required": list(props)[:1], "additionalProperties": False}}}
     for name, props in [
@@ -130,7 +131,8 @@ def make_record(rng: random.Random, i: int) -> dict:
         "prompt_token_ids": [rng.randrange(150000) for _ in range(40)],
         "output_token_ids": [rng.randrange(150000) for _ in range(n_out)],
         "usage": {"prompt_tokens": 40, "completion_tokens": n_out},
-        "generation": {"backend": "openai", "enable_thinking": True, "model": "synthetic"}, "error": None,
+        "generation": {"backend": "openai", "engine_version": "synthetic", "enable_thinking": True, "model": "synthetic",
+                       "sampling": SAMPLING}, "error": None,
     }
 
 

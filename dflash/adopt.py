@@ -57,7 +57,7 @@ def adopt_files(paths: list[str], out_path, tokenizer, options: dict) -> dict:
         for path in paths:
             source = {**options, "name": Path(str(path).rstrip("/")).name.split(".")[0] or "logged",
                       "path": str(path), "format": "chat_completions"}
-            for prompt in read_source(source):
+            for prompt in read_source(source, counts):
                 rec = adopted_record(prompt, tokenizer, stop)
                 counts["records"] += 1
                 counts[f"finish_{rec['finish_reason']}"] += 1

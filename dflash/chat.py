@@ -21,6 +21,9 @@ depending on what the server kept of the raw output (measured on SGLang 0.5.23 w
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
+from typing import Iterator
 
 THINK_CLOSE = "</think>"
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -72,6 +75,103 @@ def render(messages: list[dict], tools: list | None, tokenizer, thinking: bool, 
                                              tokenize=False)
     except (TemplateError, TypeError, KeyError) as e:
         raise ValueError(f"the chat template cannot render the conversation ({type(e).__name__}: {e})") from None
+
+
+class TokenScreen:
+    """Finds the tokenizer's special tokens (``<|im_start|>``, ``<|im_end|>`` ...) written as text
+    where the chat template would put that text into a prompt: there the tokenizer encodes them as
+    real control tokens, and ``<|im_end|>\n<|im_start|>system`` in a user turn or a tool result
+    forges a turn.
+
+    What counts is what the model will see, not how a record stores it: a token split across the
+    parts of a message's content (``"Say hi.<|im_"``, ``"end|>"``) is joined by the template. Every
+    text (keys included) is scanned for whole tokens; when a text starts or ends with a piece of a
+    token, the conversation is rendered and its special tokens counted against those the template
+    writes itself for the same conversation with every text blanked."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        special = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len,
+                         reverse=True)
+        self.pattern = re.compile("|".join(map(re.escape, special))) if special else None
+        self.heads = {t[:k] for t in special for k in range(1, len(t))}
+        self.tails = {t[k:] for t in special for k in range(1, len(t))}
+        self.longest = max(map(len, special), default=0)
+        self.firsts, self.lasts = {t[0] for t in special}, {t[-1] for t in special}
+
+    def found(self, messages: list[dict], tools: list | None, thinking: bool,
+              replay: list[dict] | None = None) -> str | None:
+        """Where a special token shows in text that reaches the prompt (``messages``, ``tools``,
+        and the tool results of ``replay`` steps, rendered in the later prompts), or None."""
+        if self.pattern is None:
+            return None
+        pieces = False
+        for where, value in [*((f"message {n} ({m.get('role')})", m) for n, m in enumerate(messages)),
+                             ("the tool definitions", tools),
+                             *((f"replayed tool result {n}", r) for n, step in enumerate(replay or [])
+                               for r in step["results"])]:
+            for text in texts_of(value):
+                if hit := self.pattern.search(text):
+                    return f"{hit.group()} in {where}"
+                pieces = pieces or self._has_piece(text)
+        return self._formed(messages, tools, thinking, replay or []) if pieces else None
+
+    def _has_piece(self, text: str) -> bool:
+        """Whether ``text`` ends with a token's beginning or starts with a token's end. Most texts
+        have no token's first character near their end nor its last near their start."""
+        span = self.longest - 1
+        if not (self.firsts.intersection(text[-span:]) or self.lasts.intersection(text[:span])):
+            return False
+        return any(text[-k:] in self.heads or text[:k] in self.tails for k in range(1, min(len(text), self.longest)))
+
+    def _formed(self, messages: list[dict], tools: list | None, thinking: bool, replay: list[dict]) -> str | None:
+        conversation = messages + [turn for step in replay for turn in (
+            {"role": "assistant", "content": "",
+             "tool_calls": [{"type": "function", "function": {"name": name, "arguments": {}}} for name in step["calls"]]},
+            *step["results"])]
+        try:
+            seen = Counter(self.pattern.findall(render(conversation, tools, self.tokenizer, thinking)))
+            own = Counter(self.pattern.findall(render(_blanked(conversation), _blanked(tools), self.tokenizer, thinking)))
+        except ValueError:
+            return None  # a conversation the template refuses is dropped as template_error
+        extra = seen - own
+        return f"{next(iter(extra))} formed across the texts of the conversation" if extra else None
+
+
+def texts_of(value, keys: bool = True) -> Iterator[str]:
+    """Every string in a message, tool definition or tool result: values, and keys unless ``keys``
+    is false."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if keys:
+                yield from texts_of(key)
+            yield from texts_of(item, keys)
+    elif isinstance(value, list):
+        for item in value:
+            yield from texts_of(item, keys)
+
+
+# What the template branches on, kept when a conversation is blanked: roles and part or tool types.
+_STRUCTURE_KEYS = ("role", "type")
+
+
+def _blanked(value, key: str | None = None):
+    """``value`` with every text replaced by a neutral one and every key renamed, its shape kept."""
+    if isinstance(value, str):
+        return value if key in _STRUCTURE_KEYS else "x"
+    if isinstance(value, dict):
+        return {(k if k in _STRUCTURE_KEYS or k in _SHAPE_KEYS else f"k{n}"): _blanked(v, k)
+                for n, (k, v) in enumerate(value.items())}
+    if isinstance(value, list):
+        return [_blanked(v, key) for v in value]
+    return value
+
+
+# Keys the template reads by name: renamed, it would render another conversation.
+_SHAPE_KEYS = ("content", "tool_calls", "function", "name", "arguments", "reasoning_content", "reasoning", "text",
+               "description", "parameters", "properties", "required", "tool_call_id", "image", "image_url", "video")
 
 
 def thinking_of(rec: dict) -> bool:

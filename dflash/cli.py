@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -21,8 +23,10 @@ def _prompts(cfg, a):
 
     target = a.target or target_dir(cfg)
     if not Path(target).is_dir():
-        raise FileNotFoundError(f"{target}: no target model folder; its tokenizer and template screen the prompts: "
-                                f"build it (snakemake {target}) or give --target")
+        fix = ("give the target model's folder" if a.target else f"fix target.path in {a.config}, or give --target"
+               if cfg["target"]["path"] else f"build the demo target first (snakemake {target}), or give --target")
+        raise FileNotFoundError(f"{target}: no such model folder (its tokenizer and template screen the prompts): "
+                                f"{fix}")
     build_prompts(cfg["prompts"]["sources"], a.out, cfg["prompts"]["shard_size"],
                   prompt_checks(target, prompt_check_settings(cfg)))
 
@@ -89,11 +93,17 @@ def _inspect(a) -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(a.target)
     shown = matched = 0
+    ids_seen: set[str] = set()
     for path in a.shards:
         # past the limit a shard is still read, to count what matches
         more, found = inspect(path, a.category, a.reason, a.flag, a.id, a.limit - shown if a.limit else None,
-                              a.json, a.full, tokenizer)
+                              a.json, a.full, tokenizer, ids_seen=ids_seen)
         shown, matched = shown + more, matched + found
+    if absent := [i for i in a.id if i not in ids_seen]:
+        where = (f"the shards given ({', '.join(a.shards)})" if len(a.shards) <= 3
+                 else f"the {len(a.shards)} shards given")
+        raise ValueError(f"--id {', '.join(absent)}: in none of {where}; check the id, and that these are shards of "
+                         f"the stage that holds it")
     if not a.json:
         print(f"{shown} of {matched} shown"
               + (f" (--limit {a.limit}; --limit 0 shows all)" if shown < matched else ""), file=sys.stderr)
@@ -175,6 +185,59 @@ def _safe_to_destroy(cfg, a):
         raise SystemExit(verdict)
 
 
+# What each command reads and writes: an output that is also an input, or another output
+# (validate --validated X --rejected X), would overwrite records with others.
+READS_WRITES = {
+    "prompts": (("target",), ("out",)), "target": ((), ("out",)),
+    "generate": (("prompts", "target"), ("out", "summary")),
+    "validate": (("completions", "exclude"), ("validated", "rejected", "qa")),
+    "tokenize": (("validated", "target"), ("out", "index")), "hidden": (("tokenized", "target"), ("out",)),
+    "train": (("tokenized", "hidden", "target"), ("out",)), "eval": (("checkpoint", "target", "heldout"), ("out",)),
+    "report": (("manifest", "qa", "gates", "checkpoint", "eval"), ("html", "json")),
+    "adopt": (("logs", "target"), ("out",)), "plan": ((), ("json",)),
+}
+
+
+def path_clash(args: argparse.Namespace) -> str | None:
+    """Why the command's paths cannot all be used as given (an output that is an input or another
+    output), or None."""
+    reads, writes = READS_WRITES.get(args.stage, ((), ()))
+    given: dict[str, str] = {}
+    for flag in reads + writes:
+        value = getattr(args, flag, None)
+        for path in value if isinstance(value, list) else [value] if value is not None else []:
+            key = os.path.realpath(path)
+            if flag in writes and key in given:
+                return (f"--{flag} {path} is also {given[key]}: every output needs a path of its own (it would "
+                        f"overwrite what is read or written there)")
+            given.setdefault(key, f"--{flag}")
+    return None
+
+
+def count(least: int):
+    """An argparse type: a whole number of at least ``least``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text!r}: give {least} or more")
+        return value
+    return parse
+
+
+def amount(text: str) -> float:
+    """An argparse type: a positive, finite number (1.64e9 allowed)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -189,7 +252,7 @@ def parser() -> argparse.ArgumentParser:
     def stage(name, fn, help, *args):
         s = sub.add_parser(name, help=help, description=help, parents=[common])
         s.add_argument("--config", default="config.yaml", type=Path, help="pipeline config (default: config.yaml)")
-        s.add_argument("--threads", type=int, default=None, help="torch threads (default: the config's)")
+        s.add_argument("--threads", type=count(1), default=None, help="torch threads (default: the config's)")
         for flag, kw in args:
             s.add_argument(flag, **kw)
         s.set_defaults(fn=fn)
@@ -219,12 +282,12 @@ def parser() -> argparse.ArgumentParser:
           ("--manifest", path), ("--qa", path), ("--gates", path), ("--checkpoint", path),
           ("--eval", path), ("--html", path), ("--json", path))
     stage("cache-size", _cache_size, "the hidden-state cache a run would write (tokens x layers x hidden x bytes)",
-          ("--tokens", {"type": float, "help": "planned token count (e.g. 1.64e9)"}),
+          ("--tokens", {"type": amount, "help": "planned token count (e.g. 1.64e9)"}),
           ("--tokenized", {"type": Path, "nargs": "*", "help": "tokenized shard indexes (.json) to count"}),
           ("--target", {"type": Path, "help": "target model folder (default: the config's)"}))
     stage("plan", _plan, "forecast output tokens, hours, cost, sizes and jobs per node kind (before renting)",
-          ("--prompts", {"type": float, "help": "training prompts (default: the manifest, else the sources counted)"}),
-          ("--output-tokens", {"type": float, "help": "total output tokens, e.g. 1.64e9 (default: from the pilot)"}),
+          ("--prompts", {"type": amount, "help": "training prompts (default: the manifest, else the sources counted)"}),
+          ("--output-tokens", {"type": amount, "help": "total output tokens, e.g. 1.64e9 (default: from the pilot)"}),
           ("--pilot", {"type": Path, "help": "the pilot's summary (default: <output_dir>/pilot/summary.json if there)"}),
           ("--target", {"type": Path, "help": "target model folder, to size the hidden-state cache (default: the config's)"}),
           ("--json", {"type": Path, "help": "also write the plan as JSON here"}))
@@ -240,7 +303,7 @@ def parser() -> argparse.ArgumentParser:
     for flag, what in [("--category", "category"), ("--reason", "rejection reason code"), ("--flag", "QA flag code"),
                        ("--id", "record or prompt id")]:
         inspect.add_argument(flag, action="append", default=[], help=f"only this {what} (repeatable)")
-    inspect.add_argument("--limit", type=int, default=10, help="at most this many records (0: all; default 10)")
+    inspect.add_argument("--limit", type=count(0), default=10, help="at most this many records (0: all; default 10)")
     inspect.add_argument("--json", action="store_true", help="whole records, one JSON object per line")
     inspect.add_argument("--full", action="store_true", help="do not shorten long texts")
     inspect.add_argument("--target", type=Path, help="target model folder: decode tokenized rows")
@@ -273,7 +336,7 @@ def parser() -> argparse.ArgumentParser:
     tools.add_argument("--category", default="tool", help="the category to check (default: tool)")
     tools.add_argument("--config", type=Path, help="read the gates' thresholds from this config "
                                                    "(default: the schema's defaults)")
-    tools.add_argument("--examples", type=int, default=3, help="examples per class (default 3; 0: none)")
+    tools.add_argument("--examples", type=count(0), default=3, help="examples per class (default 3; 0: none)")
     tools.add_argument("--json", action="store_true", help="everything as one JSON object")
     tools.set_defaults(run=_check_tools)
     return p
@@ -282,6 +345,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     setup_logging()
+    if clash := path_clash(args):
+        print(f"dflash {args.stage}: {clash}", file=sys.stderr)
+        return 2
     try:
         if hasattr(args, "run"):  # needs no pipeline config
             return args.run(args)

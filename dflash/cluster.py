@@ -11,7 +11,7 @@ import os
 import re
 from pathlib import Path
 
-import yaml
+from dflash.config import ConfigError, read_yaml
 
 SITE_ENV = "DFLASH_SITE"
 DEFAULT_SITE = "profiles/site.yaml"
@@ -44,9 +44,10 @@ def site(kind: str) -> dict:
     if not path.is_file():
         raise SiteError(f"{path}: no site file (run snakemake from the pipeline's folder, or set {SITE_ENV} "
                         "to your copy of profiles/site.yaml)")
-    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    if not isinstance(data, dict):
-        raise SiteError(f"{path}: expected a mapping of {', '.join(_TOP)}")
+    try:
+        data = read_yaml(path)
+    except ConfigError as e:
+        raise SiteError(f"{e} ({', '.join(_TOP)})") from None
     unknown = sorted(set(data) - set(_TOP))
     if unknown:
         raise SiteError(f"{path}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(_TOP)}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import os
 import re
 import shlex
 import string
@@ -63,6 +64,8 @@ def _allowed_keys(schema: dict, path: list) -> list[str]:
 
 def _describe(error, schema: dict, source: str) -> str:
     where = ".".join(str(p) for p in error.absolute_path) or "top level"
+    if list(error.absolute_path)[:4] == ["generate", "server", "launch", "env"] and len(error.absolute_path) > 4:
+        return f"{source}: at {where}: must be a string (its value is not shown: it may be a secret)"
     if error.validator == "additionalProperties":
         unknown = re.findall(r"'([^']+)'", error.message.split("(")[-1])
         allowed = _allowed_keys(schema, list(error.absolute_path))
@@ -101,13 +104,24 @@ def render_command(template: str, **values) -> list[str]:
 
 
 def _between_keys(config: dict) -> list[tuple[str, str]]:
-    """(key path, problem) for what one key's schema cannot see: how keys go together."""
+    """(key path, problem) for what one key's schema cannot see (how keys go together), or could only
+    say by echoing the value (a secret in a url)."""
     generate = config["generate"]
-    launch = generate["server"]["launch"]
-    if launch is None:
-        return []
+    url, launch = generate["server"]["url"], generate["server"]["launch"]
     problems = []
-    if generate["server"]["url"] is not None:
+    # user:password@host: the url is printed in logs and errors, and urllib would take it for a host name
+    if url is not None and "@" in re.split(r"[/?#]", url.split("://", 1)[-1])[0]:
+        problems.append(("generate.server.url", "holds a user name or password (user:password@host), which logs and "
+                                                "errors would show with the url: remove it, and set "
+                                                "generate.server.api_key_env to the environment variable holding "
+                                                "the key"))
+    elif url is not None and ("?" in url or "#" in url):  # /chat/completions goes after it: a key there leaks
+        problems.append(("generate.server.url", "holds a query or fragment (?... or #...): give the base URL ending "
+                                                "in /v1; an API key goes in the environment variable named by "
+                                                "generate.server.api_key_env"))
+    if launch is None:
+        return problems
+    if url is not None:
         problems.append(("generate.server", "url and launch are both set: with launch the pipeline starts the "
                                             "server and knows its url; set url: null, or remove launch to use "
                                             "the server at url"))
@@ -120,23 +134,81 @@ def _between_keys(config: dict) -> list[tuple[str, str]]:
     return problems
 
 
+def _place_problems(config: dict) -> list[tuple[str, str]]:
+    """(key path, problem) for where the outputs would go and what names them, that a pattern
+    cannot say: a folder that would put outputs at the file system's root or among the project's
+    own files, and two sources of one name (ids and counts are kept per source name)."""
+    problems = []
+    out = config["output_dir"]
+    if not out.strip():
+        problems.append(("output_dir", "is empty: outputs would go to /prompts, /target ... at the file system's "
+                                       "root; give a folder such as results"))
+    elif all(part in ("", ".", "..") for part in os.path.normpath(out).split(os.sep)):
+        problems.append(("output_dir", f"{out!r} is the working directory, a folder above it or the file system's "
+                                       f"root, where the stages' folders would mix with others: give a folder of "
+                                       f"its own, such as results"))
+    names = [s["name"] for s in config["prompts"]["sources"]]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(("prompts.sources", f"two sources are named {name!r}: give each a name of its own (ids and "
+                                            f"counts are kept per source name)"))
+    return problems
+
+
 def check_config(config: dict, source: str = "config") -> dict:
     """Validate ``config`` in place against the schema, filling defaults; raise ConfigError."""
     schema = load_schema()
     errors = sorted(_Filling(schema).iter_errors(config), key=lambda e: list(e.absolute_path))
     lines = ([_describe(e, schema, source) for e in errors] if errors
-             else [f"{source}: at {where}: {problem}" for where, problem in _between_keys(config)])
+             else [f"{source}: at {where}: {problem}" for where, problem in _place_problems(config) + _between_keys(config)])
     if lines:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines))
+        raise ConfigError("invalid configuration: " + ("\n  ".join([""] + lines) if len(lines) > 1 else lines[0]))
     return config
 
 
-def load_config(path: str | Path, overrides: dict | None = None) -> dict:
+class _StrictLoader(yaml.SafeLoader):
+    """YAML that refuses a key given twice in one mapping (plain YAML keeps the last one without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise ConfigError(f"{self.name}:{key_node.start_mark.line + 1}: key {key!r} is given twice in one "
+                                  f"mapping (also on line {seen[key]}): keep one")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: str | Path) -> dict:
+    """A YAML mapping file users edit (a config, the site file), read strictly: a syntax error, a
+    key given twice, an empty file or a top level that is no mapping is one line naming the file
+    and line."""
     path = Path(path)
     try:
-        config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    loader = _StrictLoader(text)
+    loader.name = str(path)
+    try:
+        data = loader.get_single_data()
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: not valid YAML: {e.problem or e.context}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    finally:
+        loader.dispose()
+    if data is None:
+        raise ConfigError(f"{path}: the file is empty: expected a YAML mapping of keys")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level is a YAML {type(data).__name__}, not a mapping of keys")
+    return data
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> dict:
+    config = read_yaml(path)
     if overrides:
         config.update(overrides)
     return check_config(config, source=str(path))

@@ -22,20 +22,18 @@ also drop context further back than ``sliding_window`` positions.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import PretrainedConfig, Qwen3Config
 from transformers.activations import ACT2FN
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from dflash.io import atomic_dir
+from dflash.io import atomic_dir, atomic_path, load_safetensors, open_safetensors, read_json
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 WEIGHTS_NAME = "model.safetensors"
@@ -161,9 +159,9 @@ class TargetIO:
         target_dir = Path(target_dir)
         index = target_dir / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index)["weight_map"]
         else:
-            with safe_open(target_dir / WEIGHTS_NAME, framework="pt") as f:
+            with open_safetensors(target_dir / WEIGHTS_NAME) as f:
                 weight_map = {key: WEIGHTS_NAME for key in f.keys()}
 
         def find(suffix: str) -> str | None:
@@ -174,7 +172,7 @@ class TargetIO:
             return keys[0] if keys else None
 
         def read(key: str) -> torch.Tensor:
-            with safe_open(target_dir / weight_map[key], framework="pt") as f:
+            with open_safetensors(target_dir / weight_map[key], [key], f"the file {index.name} maps it to") as f:
                 return f.get_tensor(key)
 
         embed_key, head_key = find("embed_tokens.weight"), find("lm_head.weight")
@@ -433,20 +431,29 @@ def write_drafter_state(state: dict, config: Qwen3Config, directory: Path) -> No
     state = {k.removeprefix("module."): v.detach().cpu().contiguous() for k, v in state.items()}
     config.dtype = next(iter(state.values())).dtype
     config.save_pretrained(directory)
-    save_file(state, Path(directory) / WEIGHTS_NAME, metadata={"format": "pt"})
+    with atomic_path(Path(directory) / WEIGHTS_NAME) as tmp:  # for its mode: save_file's own is 0600
+        save_file(state, tmp, metadata={"format": "pt"})
 
 
 def save_drafter(model: DFlashDraftModel, config: Qwen3Config, out_dir: Path) -> None:
     """Write the checkpoint under a temporary name and rename it into place when complete."""
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, "checkpoint") as tmp:
         write_drafter(model, config, tmp)
 
 
 def load_drafter(directory: Path) -> tuple[DFlashDraftModel, Qwen3Config]:
     """Rebuild a drafter on the CPU, in the dtype it was saved in."""
-    directory = Path(directory)
-    config = Qwen3Config.from_pretrained(directory)
-    state = load_file(directory / WEIGHTS_NAME)
-    model = DFlashDraftModel(config).to(next(iter(state.values())).dtype)
-    model.load_state_dict(state, strict=True)
+    config_file, weights = Path(directory) / "config.json", Path(directory) / WEIGHTS_NAME
+    settings = read_json(config_file)
+    if "dflash_config" not in settings:
+        raise ValueError(f"{config_file}: no dflash_config: not the config of a DFlash drafter checkpoint")
+    config = Qwen3Config.from_dict(settings)
+    state = load_safetensors(weights, ["fc.weight"], "the weights of a DFlash drafter")
+    model = DFlashDraftModel(config).to(state["fc.weight"].dtype)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:  # torch lists the keys and shapes over several lines
+        detail = "; ".join(line.strip() for line in str(e).splitlines()[1:] if line.strip())
+        raise ValueError(f"{weights}: weights that do not fit {config_file} ({detail}): the two files are from "
+                         f"different checkpoints; copy the checkpoint folder again, whole") from None
     return model, config

@@ -34,11 +34,12 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, Qwen3Config
+from transformers import DynamicCache, PreTrainedModel, Qwen3Config
 
 from dflash.chat import render, stop_token_ids
 from dflash.drafter import DFlashDraftModel, TargetIO, load_drafter
 from dflash.hidden import capture_layers, decoder_layers, forward_features
+from dflash.target import target_model
 from dflash.train import pick_device
 from dflash.workflow import progress
 
@@ -226,7 +227,7 @@ def settings(cfg: dict) -> dict:
 
 
 def load_target(target_dir: Path, cfg: dict) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(target_dir, dtype="auto").to(pick_device(cfg["device"])).eval()
+    return target_model(target_dir, "auto").to(pick_device(cfg["device"]))
 
 
 def encode_prompts(prompts: list[dict], tokenizer) -> list[list[int]]:
@@ -307,9 +308,10 @@ def run_eval(checkpoint: Path, target_dir: Path, heldout: Path, out: Path, cfg: 
     on the held-out prompts; writes the JSON report (token ids left out)."""
     from transformers import AutoTokenizer
 
-    from dflash.io import read_jsonl, write_json
+    from dflash.io import write_json
+    from dflash.records import checked_records
 
-    prompts = read_jsonl(heldout)
+    prompts = [rec for _, rec in checked_records(heldout, "prompt", "eval reads the heldout.jsonl.zst of the prompts stage")]
     if not prompts:
         raise ValueError(f"{heldout}: no held-out prompts to evaluate (mark some source records split: heldout)")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)

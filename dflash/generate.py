@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -25,14 +26,15 @@ from pathlib import Path
 import torch
 
 from dflash.adopt import adopted_record
-from dflash.chat import finish_reason, output_body, render, served_output, split_reasoning, stop_token_ids
+from dflash.chat import TokenScreen, finish_reason, output_body, render, served_output, split_reasoning, stop_token_ids
 from dflash.errors import describe
-from dflash.io import atomic_path, iter_jsonl, naming_full_disk, write_json, write_jsonl_zst
+from dflash.io import atomic_files, atomic_path, dumps_line, json_text, naming_full_disk, zst_lines
+from dflash.records import checked_records
 from dflash.loops import LoopWatch
 from dflash.server import wait_for_service
 from dflash.storage import PartialMirror
 from dflash.toolcalls import parse_tool_calls, text_before_calls
-from dflash.workflow import progress
+from dflash.workflow import notice, progress
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ class TransformersBackend:
         from dflash.target import load_target
 
         self.model, self.tokenizer = load_target(target_dir)
+        self.token_screen = TokenScreen(self.tokenizer)
         self.model_name = Path(target_dir).name
         self.engine_version = f"transformers {transformers.__version__}, torch {torch.__version__}"
         self.stop = sorted(stop_token_ids(self.tokenizer, self.model.generation_config))
@@ -201,6 +204,7 @@ class OpenAIBackend:
         self.key = key = os.environ.get(server["api_key_env"]) if server.get("api_key_env") else None
         self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        self.token_screen = TokenScreen(self.tokenizer)
         try:
             self._generation_config = GenerationConfig.from_pretrained(target_dir)
         except OSError:
@@ -469,12 +473,27 @@ def generate_conversation(prompt: dict, backend, sampling: dict, thinking: bool)
         if n:
             rec = completion_record(prompt, backend, sampling, thinking, step=n)
         stop, detail = replay_stop(rec, steps[n] if n < len(steps) else None)
+        if stop is None and (forged := backend.token_screen.found([assistant_turn(rec)], None, thinking)):
+            # the next prompt would encode it as a real control token: a turn the model never ended
+            stop, detail = "special_tokens", f"a control token as text in the model's turn ({forged})"
         rec["replay"] = {"step": n, "steps": len(steps), "stop": stop, "detail": detail}
         records.append(rec)
         if stop:
             return records
         prompt = {**prompt, "messages": prompt["messages"] + [assistant_turn(rec), *steps[n]["results"]]}
     raise AssertionError("unreachable: the last step always stops")
+
+
+def settings_digest(cfg: dict, target_dir: str | Path) -> str:
+    """What decides a shard's records, as one short digest each record carries: the settings that
+    shape them (``workflow.record_settings``) and the model that writes them. A resumed shard keeps
+    only records of the same digest, so a re-run with another model or sampling never mixes the two."""
+    from dflash.workflow import record_settings
+
+    model = ((cfg.get("server") or {}).get("model") or str(target_dir)) if cfg["backend"] == "openai" \
+        else os.path.abspath(target_dir)
+    blob = json.dumps({"records": record_settings(cfg), "model": model}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
 
 def partial_path(out_path: str | Path) -> Path:
@@ -513,14 +532,19 @@ def shard_lock(out_path: Path, poll_s: float = 5.0):
 
 
 def keep_finished_output(out_path: Path, partial: Path) -> None:
-    """A shard file that appeared while this job waited for the lock (the earlier job finished it
-    after Snakemake had cleared the outputs for this one): its good records join the partial
-    file, so none is generated twice."""
+    """A shard file already there (an earlier job finished it after Snakemake had cleared the
+    outputs for this one, or a CLI run onto an existing output): its good records join the
+    partial file, where ``load_partial`` keeps those of this run's settings, so none is generated
+    twice and none of other settings is kept."""
     if not out_path.exists():
         return
+    # read whole before anything is written: a file that is no completion shard (an --out slip onto
+    # a user's file) is refused as it stands, never taken apart
+    kept = "".join(json.dumps(r, ensure_ascii=False) + "\n" for _, r in checked_records(
+        out_path, "completion", f"{out_path} is there already and is not a completion shard this stage wrote: give "
+                                f"--out a path of its own") if r["finish_reason"] != "error")
     with naming_full_disk(partial), open(partial, "a", encoding="utf-8") as sink:
-        sink.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in iter_jsonl(out_path)
-                           if r["finish_reason"] != "error"))
+        sink.write(kept)
     out_path.unlink()
 
 
@@ -529,13 +553,15 @@ def finished(records: list[dict]) -> bool:
     return bool(records) and ("replay" not in records[-1] or records[-1]["replay"]["stop"] is not None)
 
 
-def load_partial(path: Path, wanted: set[str]) -> dict[str, list[dict]]:
+def load_partial(path: Path, wanted: set[str], settings: str) -> dict[str, list[dict]]:
     """Finished prompts of an interrupted run (prompt id -> records), rewritten clean: a line torn
     by a kill is dropped (appending after it would corrupt the next record), as are a replay cut
-    short by it, ids not in this shard and a second copy of a record (an earlier job killed
-    between writing its shard and removing this file)."""
+    short by it, ids not in this shard, a second copy of a record (an earlier job killed between
+    writing its shard and removing this file) and records generated with other settings or
+    another model (``settings``: ``settings_digest``), said in the log and on the console."""
     found: dict[str, list[dict]] = {}
     seen: set[str] = set()
+    other = set()
     if not path.exists():
         return {}
     with open(path, encoding="utf-8") as f:
@@ -544,9 +570,16 @@ def load_partial(path: Path, wanted: set[str]) -> dict[str, list[dict]]:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if rec.get("prompt_id") in wanted and rec.get("id") not in seen:  # a record kept twice counts once
-                seen.add(rec["id"])
-                found.setdefault(rec["prompt_id"], []).append(rec)
+            if not isinstance(rec, dict) or rec.get("prompt_id") not in wanted or rec.get("id") in seen:
+                continue  # a record kept twice counts once
+            if (rec.get("generation") or {}).get("settings") != settings:
+                other.add(rec["prompt_id"])
+                continue
+            seen.add(rec["id"])
+            found.setdefault(rec["prompt_id"], []).append(rec)
+    if other:
+        notice(log, f"{path}: {len(other)} finished prompt(s) were generated with other generate settings or "
+                    f"another model than this run's; they are dropped and generated again")
     done = {pid: recs for pid, recs in found.items() if finished(recs)}
     with atomic_path(path) as tmp:
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for recs in done.values() for r in recs),
@@ -568,13 +601,15 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
     added to the summary (the run's spend so far). ``repetition``: validate.repetition, the
     thresholds of the loop watch of a streamed generation (``generate.loop_abort``); None: no watch.
     """
-    prompts = list(iter_jsonl(prompts_path))
+    prompts = [rec for _, rec in checked_records(prompts_path, "prompt", "generate reads the prompts/ shards of the "
+                                                                         "prompts stage")]
     ids = [p["id"] for p in prompts]
     twice = [i for i, n in Counter(ids).items() if n > 1]
     if twice:
         raise ValueError(f"{prompts_path}: prompt id {twice[0]} appears more than once ({len(twice)} duplicated ids); "
                          f"every prompt id must be unique: re-run the prompts rule")
     partial = partial_path(out_path)
+    partial.parent.mkdir(parents=True, exist_ok=True)  # as every stage does: the lock and resume files go there first
     save = cfg.get("save_every") or {"records": 100, "seconds": 300}
     mirror = PartialMirror(partial, save["records"], save["seconds"])
     with shard_lock(out_path):
@@ -600,7 +635,8 @@ def seed_from_pilot(partial: Path, pilot: Path | None, ids: set[str]) -> set[str
 def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out_path: Path, partial: Path,
                     target_dir: Path, cfg: dict, summary_path: Path | None, mirror: PartialMirror,
                     from_pilot: set[str], annotate, repetition: dict | None) -> dict:
-    done = load_partial(partial, set(ids))
+    settings = settings_digest(cfg, target_dir)
+    done = load_partial(partial, set(ids), settings)
     resumed = len(done.keys() - from_pilot)
     pending = [p for p in prompts if p["id"] not in done]
     adopted = [p for p in pending if "imported" in p.get("meta", {})]
@@ -621,6 +657,8 @@ def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out
         def finish(recs: list[dict]) -> None:
             nonlocal requests, tokens
             requests += len(recs)
+            for r in recs:
+                r["generation"]["settings"] = settings
             if any(r["finish_reason"] == "error" for r in recs):
                 errors[recs[0]["prompt_id"]] = recs
             else:
@@ -695,10 +733,14 @@ def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out
         example = next(r["error"] for recs in errors.values() for r in recs if r["error"])
         raise RuntimeError(f"{name}: {len(errors)} of {len(prompts)} prompts failed (e.g. {example}); "
                            f"the {len(done)} finished ones are kept in {partial}: re-run to resume")
-    write_jsonl_zst(out_path, records)
-    # Only beside a finished shard: a failed job's summary would read like one.
-    if summary_path is not None:
-        write_json(summary_path, summary)
+    # Only beside a finished shard, and only with it: a failed job's summary would read like one.
+    with atomic_files(out_path, *([summary_path] if summary_path is not None else [])) as temps:
+        with zst_lines(temps[0], shown=out_path) as write:
+            for rec in records:
+                write(dumps_line(rec))
+        if summary_path is not None:
+            with naming_full_disk(summary_path):
+                temps[1].write_text(json_text(summary), encoding="utf-8")
     partial.unlink()
     # Until Snakemake has uploaded the shard, a lost node costs this shard's generation, never a
     # duplicate: a stale resume file would resume a later re-run with other settings.

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.io import human_bytes
+from dflash.io import human_bytes, read_json
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,23 @@ def resolve_layer_ids(layers: dict, num_target_layers: int) -> list[int]:
     return list(ids) if ids else build_target_layer_ids(num_target_layers, layers["num_layers"])
 
 
+def check_token_ids(tokenized_path: Path, input_ids: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> None:
+    """Refuse ids the target has no embedding row for (a shard tokenized with another tokenizer),
+    naming the first row that holds one: the forward would fail with a bare ``IndexError``."""
+    bad = ((input_ids < 0) | (input_ids >= vocab_size)).nonzero()
+    if not len(bad):
+        return
+    at = int(bad[0])
+    row = int(torch.searchsorted(offsets, at, right=True)) - 1
+    try:  # the record's id, from the index tokenize writes beside the shard
+        row_name = f"row {row} (record {read_json(Path(tokenized_path).with_suffix('.json'))['rows'][row]['id']})"
+    except (OSError, ValueError, LookupError, TypeError):
+        row_name = f"row {row}"
+    raise ValueError(f"{tokenized_path}: {row_name} holds token id {int(input_ids[at])}, outside the target's "
+                     f"vocabulary of {vocab_size} ids ({len(bad)} of the shard's {len(input_ids)} tokens are): it was "
+                     f"tokenized with another tokenizer; re-run tokenize with this target's")
+
+
 def capture_shard(tokenized_path: Path, out_path: Path, target_dir: Path, layers: dict,
                   dtype: str = "bfloat16") -> dict:
     """Selected-layer features of every token of every row of a tokenized shard.
@@ -145,14 +162,15 @@ def capture_shard(tokenized_path: Path, out_path: Path, target_dir: Path, layers
     Writes ``hidden_states`` [T_total, k, H] aligned with the tokenized shard's flat ``input_ids``
     (which are stored again, with ``offsets``, so a cache can be checked against its rows).
     """
-    from safetensors.torch import load_file, save_file
-    from dflash.io import atomic_path
+    from safetensors.torch import save_file
+    from dflash.io import atomic_path, load_safetensors
     from dflash.target import load_target
     from dflash.workflow import progress
 
-    rows = load_file(str(tokenized_path))
+    rows = load_safetensors(tokenized_path, ("input_ids", "offsets"), "a tokenized shard")
     input_ids, offsets = rows["input_ids"], rows["offsets"]
     model, _ = load_target(target_dir)
+    check_token_ids(tokenized_path, input_ids, offsets, model.get_input_embeddings().weight.shape[0])
     layer_ids = resolve_layer_ids(layers, model.config.num_hidden_layers)
     hidden_size = model.config.hidden_size
     out = torch.empty((len(input_ids), len(layer_ids), hidden_size), dtype=DTYPES[dtype])

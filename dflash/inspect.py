@@ -13,7 +13,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable, Iterator
 
-from dflash.io import check_zstd, iter_jsonl, local_copy, read_json
+from dflash.io import check_zstd, iter_jsonl, local_copy, open_safetensors, read_json
 
 # What a record is whole from its head (a JSONL record is its own head).
 Entry = tuple[dict, Callable[[], dict]]
@@ -22,13 +22,14 @@ Entry = tuple[dict, Callable[[], dict]]
 def _tensor_rows(path: Path, index_path: Path | None) -> Iterator[Entry]:
     """(index entry, its row) of a tokenized or hidden-state shard: a row is sliced from the file
     only when it is shown, so matching and counting read the index alone."""
-    from safetensors import safe_open
-
     index = read_json(index_path)["rows"] if index_path else None
-    with safe_open(str(path), framework="pt") as f:
+    with open_safetensors(path, ("input_ids", "offsets"), "a tokenized or hidden-state shard") as f:
         meta = f.metadata() or {}
         offsets = f.get_tensor("offsets").tolist()
         names = set(f.keys())
+        if index is not None and len(index) != len(offsets) - 1:
+            raise ValueError(f"{index_path}: {len(index)} rows listed, {path} has {len(offsets) - 1}: the two are "
+                             f"from different runs; re-run the rules that write them")
 
         def row(head: dict, a: int, b: int) -> dict:
             rec = {**head, "input_ids": f.get_slice("input_ids")[a:b].tolist()}
@@ -175,14 +176,18 @@ def check_filters(**given: list[str]) -> None:
 
 
 def inspect(path: str, categories=(), reasons=(), flags=(), ids=(), limit: int | None = 10, as_json: bool = False,
-            full: bool = False, tokenizer=None, out=None) -> tuple[int, int]:
+            full: bool = False, tokenizer=None, out=None, ids_seen: set | None = None) -> tuple[int, int]:
     """Print the matching records of a shard (at most ``limit``; None for all). Returns (how many
-    were shown, how many match): the shard is read to its end to count them."""
+    were shown, how many match): the shard is read to its end to count them. ``ids_seen``: gets
+    each of ``ids`` that some record has, whatever the other filters (to tell a wrong id from one
+    that other filters leave out)."""
     import sys
 
     out = out or sys.stdout
     shown = matched = 0
     for head, whole in read_entries(path):
+        if ids_seen is not None:
+            ids_seen.update({head.get("id"), head.get("prompt_id")} & set(ids))
         if not matches(head, list(categories), list(reasons), list(flags), list(ids)):
             continue
         matched += 1

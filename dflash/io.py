@@ -8,6 +8,7 @@ naming the file, never a shorter shard.
 from __future__ import annotations
 
 import errno
+import fnmatch
 import io
 import json
 import os
@@ -73,39 +74,137 @@ def umask() -> int:
     return mask
 
 
-@contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp path in the target's folder; rename it onto ``path`` on success. The file gets
-    the mode a plain ``open()`` would give it (``mkstemp`` makes it private to its owner)."""
-    path = Path(path)
+def _temp_beside(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.fchmod(fd, 0o666 & ~umask())
     os.close(fd)
-    tmp = Path(tmp)
+    return Path(tmp)
+
+
+def _put_in_place(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` onto ``path``, with the mode a plain ``open()`` would have given it, set just
+    before: ``mkstemp`` makes it private to its owner, and so do writers that replace the file
+    rather than write into it (``safetensors.save_file`` renames its own 0600 temp file onto the
+    path it is given)."""
+    os.chmod(tmp, 0o666 & ~umask())
+    os.replace(tmp, path)
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp path in the target's folder; rename it onto ``path`` on success."""
+    path = Path(path)
+    tmp = _temp_beside(path)
     try:
         with naming_full_disk(path):
             yield tmp
-            os.replace(tmp, path)
+            _put_in_place(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
 
 
 @contextmanager
-def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp folder beside ``path``; swap it into place on success."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+def atomic_files(*paths: str | os.PathLike) -> Iterator[list[Path]]:
+    """Temp paths for outputs that belong together (a shard and its summary): the caller writes and
+    closes all of them inside the block, and they are renamed into place only after it, so a
+    failure (a full disk while the last one is flushed) leaves none of them, never one alone that
+    looks finished. Only the writer knows which file a full disk stopped: it names it
+    (``zst_lines``' ``shown``, ``naming_full_disk``)."""
+    paths, temps = [Path(p) for p in paths], []
+    try:
+        temps.extend(_temp_beside(p) for p in paths)
+        yield temps
+        for tmp, path in zip(temps, paths):
+            _put_in_place(tmp, path)
+    finally:
+        for tmp in temps:
+            if tmp.exists():
+                tmp.unlink()
+
+
+# Written into every folder a stage replaces as a whole (the prompts, the demo target, a drafter
+# checkpoint): what wrote it and what it holds. A folder is replaced only when it is empty or holds
+# nothing but what its mark lists, so an --out slip or a run name like ".." never deletes a
+# user's files or another stage's outputs.
+OUTPUT_MARK = ".dflash-output.json"
+# What others put into such a folder that is no user's: the time Snakemake gives a folder output.
+_ANY_OUTPUT_HOLDS = {OUTPUT_MARK, ".snakemake_timestamp"}
+# Folders of these kinds written before they carried a mark: recognised by the files they need
+# and the names they may hold.
+_UNMARKED = {
+    "prompts": ({"manifest.json", "ids.tsv"}, ("manifest.json", "ids.tsv", "heldout.jsonl.zst", "shard-*.jsonl.zst")),
+    "target": ({"config.json", "build_summary.json"},
+               ("*.json", "*.jinja", "*.safetensors", "*.txt", "*.model", "*.py")),
+    "checkpoint": ({"config.json", "model.safetensors", "trainer_state.json"},
+                   ("config.json", "model.safetensors", "trainer_state.json", "train_log.jsonl")),
+}
+
+
+def replace_problem(path: str | os.PathLike, kind: str) -> str | None:
+    """Why the folder ``path`` must not be replaced by a new ``kind`` output, or None when it may:
+    absent, empty, or this kind's own earlier output holding nothing else."""
+    path = Path(os.path.abspath(path))
+    if not path.exists() and not path.is_symlink():
+        return None
+    if path.is_symlink() or not path.is_dir():
+        return f"{path} exists and is not a folder this stage wrote: choose another output path, or remove it yourself"
+    entries = {p.name for p in path.iterdir()} - (_ANY_OUTPUT_HOLDS - {OUTPUT_MARK})
+    if not entries:
+        return None
+    if OUTPUT_MARK in entries:
+        try:
+            mark = json.loads((path / OUTPUT_MARK).read_text(encoding="utf-8"))
+            ours, allowed = mark["kind"] == kind, set(mark["entries"]) | _ANY_OUTPUT_HOLDS
+        except (OSError, ValueError, KeyError, TypeError):
+            ours = False
+        other = sorted(entries - allowed) if ours else []
+    else:
+        needed, patterns = _UNMARKED.get(kind, (None, ()))
+        ours = needed is not None and needed <= entries
+        other = sorted(e for e in entries if not any(fnmatch.fnmatch(e, p) for p in patterns)) if ours else []
+    if not ours:
+        return (f"{path} holds files that are not a {kind} output of this pipeline ({_some(entries)}); nothing "
+                f"was touched: choose another output path, or move them away yourself")
+    if other:
+        return (f"{path} is an earlier {kind} output, but also holds {_some(set(other))}, which it did not write; "
+                f"nothing was touched: move them away, then re-run")
+    return None
+
+
+def _some(names: set[str], shown: int = 3) -> str:
+    names = sorted(names)
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike, kind: str) -> Iterator[Path]:
+    """Yield a new temp folder beside ``path``; put it in place of ``path`` on success, marked as
+    a ``kind`` output. An existing ``path`` is replaced only when ``replace_problem`` allows it,
+    checked before the work (so a slip fails in a second, not after hours) and again at the swap."""
+    path = Path(os.path.abspath(path))
+    if problem := replace_problem(path, kind):
+        raise FileExistsError(problem)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp's folder is private to its owner
     try:
         with naming_full_disk(path):
             yield tmp
+            mask = umask()
+            for p in tmp.rglob("*"):  # as open() would make them: writers that rename their own temp file leave 0600
+                os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+            entries = sorted(p.name for p in tmp.iterdir())
+            (tmp / OUTPUT_MARK).write_text(json.dumps({"kind": kind, "entries": entries}) + "\n", encoding="utf-8")
+        if problem := replace_problem(path, kind):
+            raise FileExistsError(problem)
+        old = None
         if path.exists():
-            shutil.rmtree(path)
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+            os.replace(path, old / path.name)
         tmp.rename(path)
+        if old is not None:
+            shutil.rmtree(old)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -114,9 +213,32 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
 @contextmanager
 def jsonl_zst_writer(path: str | os.PathLike, level: int = 3) -> Iterator[Callable[[bytes], int]]:
     """``write(line)`` for a zstd JSONL file that appears at ``path`` only when the block succeeds."""
-    with atomic_path(path) as tmp, open(tmp, "wb") as raw:
-        with zstandard.ZstdCompressor(level=level, write_checksum=True).stream_writer(raw) as out:
-            yield out.write
+    with atomic_path(path) as tmp, zst_lines(tmp, level, shown=path) as write:
+        yield write
+
+
+@contextmanager
+def zst_lines(path: Path, level: int = 3, shown: str | os.PathLike | None = None) -> Iterator[Callable[[bytes], int]]:
+    """``write(line)`` into a new zstd file at ``path`` (a temp path of ``atomic_path`` or
+    ``atomic_files``), complete when the block ends; a full disk is named ``shown`` (the output the
+    temp file becomes), whichever of several open writers met it."""
+    shown = Path(shown or path)
+    with open(path, "wb") as raw:
+        out = zstandard.ZstdCompressor(level=level, write_checksum=True).stream_writer(raw, closefd=False)
+        put = out.write
+
+        def write(line: bytes) -> int:
+            try:
+                return put(line)
+            except Exception as e:
+                if _no_space(e):
+                    raise DiskFull(shown) from e
+                raise
+
+        yield write
+        with naming_full_disk(shown):
+            out.close()
+            raw.flush()
 
 
 def dumps_line(rec: dict) -> bytes:
@@ -210,17 +332,27 @@ class CheckedZstdReader(io.RawIOBase):
 _DECOMPRESSOR = zstandard.ZstdDecompressor()
 
 
+# What to do about a damaged file, true whoever wrote it: a reader cannot tell a user's source
+# from one of the pipeline's outputs.
+REWRITE = "write or copy it again (a file the pipeline wrote: delete it and re-run the rule that writes it)"
+
+
 def _stream_fault(path: Path, fault: Exception, records: int) -> ValueError:
     """One line for a zstd stream that cannot be read to its end."""
     if isinstance(fault, _ZstdCut):
         return ValueError(f"{path}: truncated zstd stream ({records} records read before the cut); the file is "
-                          f"incomplete (an interrupted copy or write): copy it again, or delete it and re-run the "
-                          f"rule that writes it")
+                          f"incomplete (an interrupted copy or write): {REWRITE}")
     if "Unknown frame descriptor" in str(fault) and not records:
         return ValueError(f"{path}: not a zstd file (a .zst name needs zstd-compressed JSONL; rename a plain "
                           f"JSONL file to .jsonl)")
-    return ValueError(f"{path}: corrupt zstd stream ({fault}; {records} records read before the damage); "
-                      f"copy the file again, or delete it and re-run the rule that writes it")
+    return ValueError(f"{path}: corrupt zstd stream ({fault}; {records} records read before the damage): {REWRITE}")
+
+
+def _refuse_gzip(path: Path, raw) -> None:
+    """A gzip file read as JSONL or zstd would be "not valid JSON (0x8b)" or "not a zstd file"."""
+    if raw.peek(2)[:2] == b"\x1f\x8b":
+        raise ValueError(f"{path}: gzip-compressed, and gzip is not supported: recompress it with zstd "
+                         f"(.jsonl.zst) or decompress it to plain .jsonl")
 
 
 def check_zstd(path: str | os.PathLike) -> int:
@@ -228,6 +360,7 @@ def check_zstd(path: str | os.PathLike) -> int:
     reader would raise. For readers that print as they go (``dflash inspect``)."""
     path, lines = Path(path), 0
     with open(path, "rb") as raw:
+        _refuse_gzip(path, raw)
         reader = CheckedZstdReader(raw)
         try:
             while chunk := reader.read(1 << 20):
@@ -249,6 +382,7 @@ def iter_jsonl_lines(path: str | os.PathLike, skip_arrays: tuple[str, ...] = ())
     path = Path(path)
     records = 0
     with open(path, "rb") as raw:
+        _refuse_gzip(path, raw)
         if path.suffix != ".zst":
             yield from _parse_lines(path, raw, skip_arrays)
             return
@@ -289,9 +423,44 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     return list(iter_jsonl(path))
 
 
+@contextmanager
+def open_safetensors(path: str | os.PathLike, needs: Iterable[str] = (), what: str = "") -> Iterator:
+    """``safe_open`` of one of the pipeline's safetensors files (a shard, a checkpoint's or a model's
+    weights): one that is cut or damaged, or lacks the tensors ``needs`` (so is not ``what``), is a
+    ``ValueError`` naming it (safetensors' own errors name no file)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        f = safe_open(str(path), framework="pt")
+    except SafetensorError as e:
+        detail = str(e).removeprefix("Error while deserializing header: ")
+        raise ValueError(f"{path}: not a whole safetensors file ({detail}): cut short or damaged (an interrupted "
+                         f"copy or write): {REWRITE}") from None
+    except OSError as e:
+        if str(path) in str(e):
+            raise
+        raise type(e)(f"{path}: {e}") from None  # a folder: "No such device (os error 19)"
+    with f:
+        missing = [name for name in needs if name not in f.keys()]
+        if missing:
+            raise ValueError(f"{path}: no {', '.join(missing)} tensor{'s' * (len(missing) > 1)}: not {what}")
+        yield f
+
+
+def load_safetensors(path: str | os.PathLike, needs: Iterable[str] = (), what: str = "") -> dict:
+    """Every tensor of a safetensors file, read as :func:`open_safetensors` opens it."""
+    with open_safetensors(path, needs, what) as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+def json_text(obj) -> str:
+    """A JSON document as every stage writes one (summaries, indexes, QA reports)."""
+    return json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
+
+
 def write_json(path: str | os.PathLike, obj) -> None:
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        tmp.write_text(json_text(obj), encoding="utf-8")
 
 
 @contextmanager
@@ -315,7 +484,13 @@ def local_copy(path: str | os.PathLike) -> Iterator[Path]:
             if problem is None:
                 raise
             raise (FileNotFoundError if "no such object" in problem else ValueError)(problem) from None
-        yield local
+        try:
+            yield local
+        except (ValueError, OSError) as e:
+            # The readers name the file they were given: here a temp copy, gone when this returns.
+            if str(local) not in str(e):
+                raise
+            raise ValueError(str(e).replace(str(local), str(path))) from e
 
 
 def split_s3(url: str) -> tuple[str, str]:
@@ -387,4 +562,9 @@ def human_duration(seconds: float) -> str:
 
 
 def read_json(path: str | os.PathLike):
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg}): {REWRITE}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text, so not a JSON file: {REWRITE}") from None

@@ -35,13 +35,15 @@ from typing import Iterator
 import numpy as np
 import zstandard
 
-from dflash.chat import rebuild_text, render, template_message
+from dflash.chat import TokenScreen, rebuild_text, render, template_message, texts_of
 from dflash.io import atomic_dir, dumps_line, iter_jsonl, jsonl_zst_writer, local_copy, shard_name, write_json
+from dflash.records import record_problem
 from dflash.workflow import notice
 
 log = logging.getLogger(__name__)
 
 CATEGORIES = ("chat", "code", "reasoning", "tool", "other")
+SPLITS = ("train", "heldout")
 SORTED_CATEGORIES = tuple(sorted(CATEGORIES))  # codes that sort as the names: stratification breaks ties on them
 CATEGORY_CODE = {c: i for i, c in enumerate(SORTED_CATEGORIES)}
 SCREEN_BATCH = 256  # records read and not yet screened: what the records themselves hold of memory
@@ -112,15 +114,53 @@ def _check_messages(messages: list[dict], tools, where: str) -> None:
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: no messages")
     for m in messages:
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: a message is a JSON {type(m).__name__}, not an object with role and content")
         if m.get("role") not in ROLES:
             raise ValueError(f"{where}: unknown role {m.get('role')!r} (expected one of {', '.join(ROLES)})")
     if not any(m["role"] == "user" for m in messages):
         raise ValueError(f"{where}: no user message")
     if tools is not None:
-        for t in tools:
+        for t in tools if isinstance(tools, list) else [tools]:
             fn = t.get("function") if isinstance(t, dict) else None
-            if t.get("type") != "function" or not isinstance(fn, dict) or "name" not in fn:
+            if not isinstance(fn, dict) or t.get("type") != "function" or "name" not in fn:
                 raise ValueError(f"{where}: tools entries must be {{'type': 'function', 'function': {{'name', ...}}}}")
+
+
+# Tool names the engines take (OpenAI's rule, and the dots of namespaced tools): vLLM and the
+# OpenAI API refuse a request whose tool is named with a space.
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def shape_problem(rec: dict) -> tuple[str, str] | None:
+    """(reason, detail) why a well-formed prompt record would mislead the target, or None; such a
+    record is dropped and counted: ``non_text_content`` (an image or audio part a text model never
+    sees: the prompt would lose it), ``null_content`` (a turn with no text and no tool calls),
+    ``orphan_tool_result`` (a tool result no call asked for), ``bad_tool_name`` (a name the engines
+    refuse), ``non_standard_json`` (NaN or Infinity, which JSON has no words for)."""
+    turns = rec["messages"] + [r for step in rec["meta"].get("replay", []) for r in step["results"]]
+    for n, m in enumerate(rec["messages"]):
+        content = m.get("content")
+        if isinstance(content, list):
+            kinds = {p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content}
+            if kinds - {"text"}:
+                return "non_text_content", f"message {n} ({m['role']}) holds a {sorted(kinds - {'text'})[0]} part"
+        if content is None and not m.get("tool_calls"):
+            return "null_content", f"message {n} ({m['role']}) has content null and no tool calls"
+        if m["role"] == "tool" and not any(p["role"] == "assistant" and p.get("tool_calls")
+                                           for p in rec["messages"][:n]):
+            return "orphan_tool_result", f"message {n} is a tool result with no tool call before it"
+    names = [(t["function"]["name"], "a tool definition") for t in rec["tools"] or []]
+    names += [((c.get("function") or c).get("name"), f"a call of message {n}") for n, m in enumerate(turns)
+              for c in m.get("tool_calls") or [] if isinstance(c, dict)]
+    for name, where in names:
+        if not isinstance(name, str) or not TOOL_NAME.match(name):
+            return "bad_tool_name", f"{where} names the tool {name!r} (letters, digits, _ . - only, at most 64)"
+    try:
+        json.dumps(rec, allow_nan=False)
+    except ValueError:
+        return "non_standard_json", "a number is NaN or Infinity (in a tool schema or arguments)"
+    return None
 
 
 # Logged chat-completion exchanges (format chat_completions): generations to adopt.
@@ -132,6 +172,22 @@ def detect_server(choice: dict, message: dict) -> str | None:
         return "sglang"
     if "stop_reason" in choice or "reasoning" in message:
         return "vllm"
+    return None
+
+
+def failed_exchange(raw: dict) -> str | None:
+    """What went wrong when a logged exchange is a failed request (an OpenAI batch line with
+    ``status_code: 500`` or an ``error``), or None: it holds no generation to adopt, and costs the
+    source that one line, not the run."""
+    response = raw.get("response")
+    status = response.get("status_code") if isinstance(response, dict) else None
+    body = response.get("body") if isinstance(response, dict) and isinstance(response.get("body"), dict) else response
+    if isinstance(status, int) and not 200 <= status < 300:
+        return f"status_code {status}"
+    if raw.get("error") and not (isinstance(body, dict) and body.get("choices")):
+        return f"error {str(raw['error'])[:200]}"
+    if isinstance(body, dict) and body.get("error") and not body.get("choices"):
+        return f"error {str(body['error'])[:200]}"
     return None
 
 
@@ -198,21 +254,26 @@ def _imported_from(raw: dict, source: dict, where: str) -> list[tuple[list[dict]
     return [(g["messages"], g["tools"], {"imported": g["imported"]}) for g in generations]
 
 
-def read_source(source: dict) -> Iterator[dict]:
+def read_source(source: dict, dropped: Counter | None = None) -> Iterator[dict]:
     """Prompt records of one configured source (a local path or ``s3://``), with ``meta.split``
     set. A ``chat_completions`` source holds generations to adopt (``meta.imported``): its
-    messages are the request's, whole (nothing is cut or replayed: the server answered them)."""
+    messages are the request's, whole (nothing is cut or replayed: the server answered them); a
+    logged request that failed is skipped, counted in ``dropped`` as ``failed_request``."""
     fmt, name = source.get("format", "openai"), source["name"]
     try:
         with local_copy(source["path"]) as path:
-            yield from _records_of(path, source["path"], fmt, name, source)
+            yield from _records_of(path, source["path"], fmt, name, source, Counter() if dropped is None else dropped)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"prompt source {name!r}: {e}") from None
 
 
-def _records_of(path: Path, shown: str, fmt: str, name: str, source: dict) -> Iterator[dict]:
+def _records_of(path: Path, shown: str, fmt: str, name: str, source: dict, dropped: Counter) -> Iterator[dict]:
     for index, raw in enumerate(iter_jsonl(path)):
         where = f"{shown}:{index + 1}"
+        if fmt == "chat_completions" and (failure := failed_exchange(raw)):
+            dropped["failed_request"] += 1
+            log.warning("%s: a failed request (%s), nothing to adopt: skipped", where, failure)
+            continue
         if fmt == "chat_completions":
             entries = _imported_from(raw, source, where)
         else:
@@ -220,6 +281,9 @@ def _records_of(path: Path, shown: str, fmt: str, name: str, source: dict) -> It
                 messages, tools = _messages_from(raw, fmt)
             except KeyError as e:
                 raise ValueError(f"{where}: missing field {e} for format {fmt!r}") from None
+            except (TypeError, AttributeError):
+                raise ValueError(f"{where}: a field of the wrong type for format {fmt!r} (see docs/stages.md for "
+                                 f"the source formats)") from None
             _check_messages(messages, tools, where)
             messages, replay = split_replay(messages)
             if not messages:
@@ -228,6 +292,10 @@ def _records_of(path: Path, shown: str, fmt: str, name: str, source: dict) -> It
         category = raw.get("category") or source.get("category") or "other"
         if category not in CATEGORIES:
             raise ValueError(f"{where}: unknown category {category!r} (expected one of {', '.join(CATEGORIES)})")
+        split = raw.get("split") or source.get("split", "train")
+        if split not in SPLITS:  # a test record trained on would make every eval on it a lie
+            raise ValueError(f"{where}: unknown split {split!r} (expected one of {', '.join(SPLITS)}; heldout "
+                             f"records feed the eval only)")
         for choice, (messages, tools, extra) in enumerate(entries):
             if fmt == "chat_completions":
                 _check_messages(messages, tools, where)
@@ -236,14 +304,17 @@ def _records_of(path: Path, shown: str, fmt: str, name: str, source: dict) -> It
             keyed = messages + [{"replay": step} for step in extra.get("replay", [])]
             if "imported" in extra:
                 keyed = keyed + [{"imported": extra["imported"]["message"], "choice": choice}]
-            yield {
+            rec = {
                 "id": stable_id(name, keyed, tools),
                 "source": name,
                 "category": category,
                 "messages": messages,
                 "tools": tools,
-                "meta": {"index": index, "split": raw.get("split") or source.get("split", "train"), **extra},
+                "meta": {"index": index, "split": split, **extra},
             }
+            if problem := record_problem("prompt", rec):
+                raise ValueError(f"{where}: {problem}")
+            yield rec
 
 
 def stratified_order(ids: np.ndarray, categories: np.ndarray) -> np.ndarray:
@@ -277,20 +348,15 @@ class PromptChecks:
             raise ValueError(f"special_tokens: {special_tokens!r} is not one of {', '.join(SPECIAL_TOKEN_ACTIONS)}")
         self.tokenizer, self.context_length, self.max_tokens = tokenizer, context_length, max_tokens
         self.thinking, self.special_action = thinking, special_tokens
-        special = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len,
-                         reverse=True)
-        self.special = re.compile("|".join(map(re.escape, special))) if special else None
+        self.screen_tokens = TokenScreen(tokenizer)
+        # a byte-level vocabulary spells each byte as one character: a token covers at most this many
+        self.token_chars = max(map(len, tokenizer.get_vocab()), default=1)
 
     def special_token(self, rec: dict) -> str | None:
-        """Where the first special token string shows in a record's content, or None."""
-        if self.special is None:
-            return None
-        for n, message in enumerate(rec["messages"]):
-            hit = self.special.search(json.dumps(message, ensure_ascii=False))
-            if hit:
-                return f"{hit.group()} in message {n} ({message.get('role')})"
-        hit = self.special.search(json.dumps(rec["tools"], ensure_ascii=False)) if rec["tools"] else None
-        return f"{hit.group()} in the tool definitions" if hit else None
+        """Where the first special token shows in text the target would see: the messages, the
+        tool definitions and the tool results replayed into later prompts; or None."""
+        meta = rec.get("meta", {})
+        return self.screen_tokens.found(rec["messages"], rec["tools"], self.thinking, meta.get("replay"))
 
     def unfit(self, recs: list[dict]) -> list[tuple[str, str] | None]:
         """(reason, detail) for each record the target cannot take, else None: ``template_error``
@@ -303,6 +369,13 @@ class PromptChecks:
         texts = {}
         for i, rec in enumerate(recs):
             if "imported" in rec["meta"]:
+                continue
+            # No token covers more characters than the vocabulary's longest: a prompt longer than
+            # that many per token of room is too long without rendering or encoding it (a 50 MB
+            # one-line prompt would take gigabytes and minutes to encode).
+            chars = sum(map(len, texts_of([rec["messages"], rec["tools"]], keys=False)))
+            if chars > room * self.token_chars:
+                out[i] = ("too_long", f"{chars:,} characters: more than {room:,} tokens of room can hold")
                 continue
             try:
                 text = render(rec["messages"], rec["tools"], self.tokenizer, self.thinking)
@@ -392,16 +465,21 @@ def _read_sources(sources: list[dict], checks: PromptChecks | None, kept: _Kept)
 
     for source in sources:
         counts = reads[source["name"]] = {"records": 0, "duplicate": 0}
-        for rec in read_source(source):
+        for rec in read_source(source, screened[source["name"]]["dropped"]):
             counts["records"] += 1
             key = content_key(rec["messages"], rec["tools"], rec["meta"].get("replay") or rec["meta"].get("imported", {}).get("message"))
             if key in seen:
                 counts["duplicate"] += 1
                 continue
             seen.add(key)
+            if shape := shape_problem(rec):
+                screened[rec["source"]]["dropped"][shape[0]] += 1
+                log.warning("prompt %s (%s:%d): %s: %s", rec["id"], rec["source"], rec["meta"]["index"] + 1, *shape)
+                continue
             batch.append(rec)
             if len(batch) == SCREEN_BATCH:
                 screen_batch()
+        counts["records"] += screened[source["name"]]["dropped"]["failed_request"]  # read, then dropped
         if not counts["records"]:
             notice(log, f"prompt source {source['name']!r} ({source['path']}) holds no records")
     screen_batch()
@@ -448,7 +526,7 @@ def build_prompts(sources: list[dict], out_dir: str | Path, shard_size: int, che
     screened, and memory holds only a content hash per record read (the dedup) and the id,
     category and split of each record kept (the stratification), not the records.
     """
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, "prompts") as tmp:
         spill = tmp / ".spill.jsonl.zst"
         with jsonl_zst_writer(spill, level=1) as write:
             kept = _Kept(write)

@@ -1,22 +1,68 @@
-"""JSON Schemas of the record kinds (``dflash/schemas/*.schema.yaml``), for checking any shard."""
+"""JSON Schemas of the record kinds (``dflash/schemas/*.schema.yaml``), for checking any shard.
+
+Every stage reads its input records through ``checked_records``: a record of the wrong kind or
+shape (a prompts shard given to tokenize, a completion without ``text``) is one line naming the
+file, the line and the id as it is read, never a ``KeyError`` deep inside a stage. The check runs
+compiled (fastjsonschema, a few microseconds a record, less than parsing the line);
+``record_errors`` lists every violation, for tests and ``dflash inspect``.
+"""
 from __future__ import annotations
 
+import copy
 from functools import cache
 from importlib import resources
+from pathlib import Path
+from typing import Callable, Iterator
 
+import fastjsonschema
 import yaml
 from jsonschema import Draft202012Validator
+
+from dflash.io import iter_jsonl_lines
 
 KINDS = {"prompt": "prompt.schema.yaml", "completion": "completion.schema.yaml"}
 
 
 @cache
+def schema(kind: str) -> dict:
+    return yaml.safe_load(resources.files("dflash").joinpath(f"schemas/{KINDS[kind]}").read_text(encoding="utf-8"))
+
+
+@cache
 def validator(kind: str) -> Draft202012Validator:
-    text = resources.files("dflash").joinpath(f"schemas/{KINDS[kind]}").read_text(encoding="utf-8")
-    return Draft202012Validator(yaml.safe_load(text))
+    return Draft202012Validator(schema(kind))
 
 
 def record_errors(kind: str, record: dict) -> list[str]:
     """Human-readable schema violations of one record (empty when it conforms)."""
     return [f"{'.'.join(map(str, e.absolute_path)) or 'record'}: {e.message}"
             for e in validator(kind).iter_errors(record)]
+
+
+@cache
+def _compiled(kind: str, unread: tuple[str, ...]) -> Callable[[dict], object]:
+    """The kind's schema compiled, less the requirement of fields the reader leaves unparsed."""
+    s = copy.deepcopy(schema(kind))
+    s["required"] = [k for k in s["required"] if k not in unread]
+    return fastjsonschema.compile(s)
+
+
+def record_problem(kind: str, record: dict, unread: tuple[str, ...] = ()) -> str | None:
+    """The first way ``record`` breaks its kind's schema, as a short phrase, or None."""
+    try:
+        _compiled(kind, unread)(record)
+    except fastjsonschema.JsonSchemaValueException as e:
+        return e.message.removeprefix("data.").removeprefix("data ")
+    return None
+
+
+def checked_records(path: str | Path, kind: str, expected: str,
+                    skip_arrays: tuple[str, ...] = ()) -> Iterator[tuple[bytes, dict]]:
+    """(raw line, record) of a shard (``dflash.io.iter_jsonl_lines``), each checked against the
+    ``kind`` schema as it is read. ``expected`` says what the reader takes, for the error line
+    (e.g. "validate reads the completions/ shards of the generate stage")."""
+    for n, (line, rec) in enumerate(iter_jsonl_lines(path, skip_arrays), 1):
+        if problem := record_problem(kind, rec, skip_arrays):
+            raise ValueError(f"{path}:{n}: record {rec.get('id', '(no id)')}: {problem}: not a {kind} record; "
+                             f"{expected}")
+        yield line, rec

@@ -11,6 +11,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import socket
@@ -26,6 +27,11 @@ from dflash.io import read_json, write_json
 from dflash.workflow import job_context, job_label, log_to
 
 log = logging.getLogger("dflash.server")  # not __main__ under python -m
+# The serve rule's generate.server.launch as JSON, set by the Snakefile: a command line is shown to
+# every user of the node by ps (and printed by printshellcmds), and launch.env may hold HF_TOKEN.
+LAUNCH_ENV = "DFLASH_LAUNCH"
+SECRET_NAMES = ("key", "token", "secret", "password", "passwd")
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
@@ -45,11 +51,39 @@ def _die_with_parent() -> None:
     _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _secret_name(name: str) -> bool:
+    """A flag or variable named like a secret: --api-key, --hf-token, HF_TOKEN; not --max-num-batched-tokens
+    or --tokenizer."""
+    return any(part.lower().endswith(SECRET_NAMES) for part in re.split(r"[-_]+", name))
+
+
+def secrets(argv: list[str], env: dict) -> list[str]:
+    """What a launch must never show in our logs, longest first: the values of its flags named like
+    a secret (``--api-key sk-...``, ``--api-key=sk-...``) and of ``launch.env``. Any variable may hold
+    one, so every env value counts, but for short ones under other names: blanking "1"
+    (HF_HUB_OFFLINE) everywhere would garble exit statuses and ports, and no key is that short."""
+    found = {value for name, value in env.items() if _secret_name(name) or len(value) >= 8}
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            value = argv[i + 1]  # else a flag without a value (vLLM's bare --hf-token: the cached token)
+        if flag.startswith("-") and _secret_name(flag):
+            found.add(value)
+    return sorted(filter(None, found), key=len, reverse=True)
+
+
+def redact(text: str, hidden: list[str]) -> str:
+    for secret in hidden:
+        text = text.replace(secret, "***")
+    return text
+
+
 class ServerProcess:
     def __init__(self, command: list[str], health_url: str, log_file: Path, env: dict | None = None,
                  ready_timeout_s: float = 300):
         self.command, self.health_url, self.log_file = command, health_url, Path(log_file)
         self.env = {**os.environ, **(env or {})}
+        self.hidden = secrets(command, env or {})
         self.ready_timeout_s = ready_timeout_s
         self.proc: subprocess.Popen | None = None
 
@@ -96,7 +130,9 @@ class ServerProcess:
         self.proc.wait()
 
     def log_tail(self, chars: int = 3000) -> str:
-        return self.log_file.read_text(errors="replace")[-chars:] if self.log_file.exists() else ""
+        """The end of the server's log, for a failure's reason: its secrets blanked before the cut,
+        which could leave the end of one."""
+        return redact(self.log_file.read_text(errors="replace"), self.hidden)[-chars:] if self.log_file.exists() else ""
 
     def __enter__(self) -> ServerProcess:
         return self.start()
@@ -151,8 +187,8 @@ def serve(service: Path, model: str, launch: dict, index: int, server_log: Path,
     server = ServerProcess(argv, f"http://{host}:{port}{launch['health_path']}", server_log, launch["env"],
                            launch["startup_timeout_s"])
     _on_stop_signals(_stop_requested)
-    try:
-        log.info("starting server %d: %s", index, shlex.join(argv))
+    try:  # this log and the failure reason (service file, console) are outputs a run may upload
+        log.info("starting server %d: %s", index, shlex.join(redact(arg, server.hidden) for arg in argv))
         server.start()
         write_json(service, {"status": "ready", "url": f"http://{host}:{port}/v1", "pid": server.proc.pid,
                              **launcher, "model": served_model_name})
@@ -210,18 +246,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--service", type=Path, required=True, help="service file to write (ready or failed)")
     p.add_argument("--model", required=True, help="model folder, the command's {model}")
     p.add_argument("--served-model-name", required=True, help="the command's {served_model_name}")
-    p.add_argument("--launch", type=json.loads, required=True, help="generate.server.launch as JSON")
+    p.add_argument("--launch", default=os.environ.get(LAUNCH_ENV),
+                   help=f"generate.server.launch as JSON (default: ${LAUNCH_ENV}, as the serve rule passes it: "
+                        f"an argument is visible to every user in ps)")
     p.add_argument("--index", type=int, default=0, help="which server of the run this is (its port: launch.port + index)")
     p.add_argument("--log", type=Path, required=True, help="this launcher's log")
     p.add_argument("--server-log", type=Path, required=True, help="the server's stdout and stderr")
     a = p.parse_args(argv)
+    try:  # argparse's own message would echo the value, secrets and all
+        launch = json.loads(a.launch)
+    except (TypeError, ValueError):
+        p.error(f"needs generate.server.launch as a JSON object in --launch or ${LAUNCH_ENV} (the Snakefile "
+                f"sets ${LAUNCH_ENV} for the serve rule)")
     if _LIBC:
         _die_with_parent()
     log_to(a.log)
     log.info("serve: %s", job_context())
     job = job_label("serve", {"server": a.service.stem})  # the rule's wildcard names its service file
     install_job_hook(job, a.log)
-    code = serve(a.service, a.model, a.launch, a.index, a.server_log, a.served_model_name)
+    code = serve(a.service, a.model, launch, a.index, a.server_log, a.served_model_name)
     if code:  # the generate jobs waiting for it fail with the same reason
         print(failure_line(job, read_json(a.service)["reason"], a.log), file=sys.__stderr__, flush=True)
     return code

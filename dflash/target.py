@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.io import atomic_dir, iter_jsonl, write_json
+from dflash.io import REWRITE, atomic_dir, iter_jsonl, replace_problem, write_json
 from dflash.workflow import progress
 
 log = logging.getLogger(__name__)
@@ -194,6 +194,8 @@ def build_target(sources: list[Path], out_dir: Path, cfg: dict) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     t0 = time.time()
+    if problem := replace_problem(out_dir, "target"):  # now, not after the teaching
+        raise FileExistsError(problem)
     torch.manual_seed(cfg["teach"]["seed"])
     everything = load_conversations(sources, split=None)
     train = [c for c in everything if c.get("split", "train") == "train"]
@@ -215,7 +217,7 @@ def build_target(sources: list[Path], out_dir: Path, cfg: dict) -> dict:
         eos_token_id=eos_ids, pad_token_id=pad_id, do_sample=True,
         **cfg["sampling_defaults"],
     )
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, "target") as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         summary = {
@@ -233,11 +235,20 @@ def build_target(sources: list[Path], out_dir: Path, cfg: dict) -> dict:
     return summary
 
 
+def target_model(path: str | Path, dtype=torch.float32):
+    """The model of a model folder, in eval mode; weights cut short or damaged are one line naming
+    the folder (safetensors' own error names no file)."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    except SafetensorError as e:
+        raise ValueError(f"{path}: a weights file of the model is cut short or damaged ({e}): {REWRITE}") from None
+
+
 def load_target(path: str | Path, dtype=torch.float32):
     """(model, tokenizer) from a model folder, in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model.eval()
-    return model, tokenizer
+    return target_model(path, dtype), AutoTokenizer.from_pretrained(path)

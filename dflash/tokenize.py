@@ -35,7 +35,8 @@ import torch
 from safetensors.torch import save_file
 
 from dflash.chat import output_body, render_conversation, render_prompt, stop_token_ids
-from dflash.io import atomic_path, iter_jsonl, write_json
+from dflash.io import atomic_files, json_text, naming_full_disk
+from dflash.records import checked_records
 from dflash.workflow import progress
 
 log = logging.getLogger(__name__)
@@ -203,10 +204,20 @@ def batches(records, enc: Encoder, cfg: dict, counts: Counter) -> Iterator[tuple
             yield previous[0].recs, previous[0].finish(previous[1].result())
 
 
-def unique_ids(records):
-    """The records, refusing a second record with an id already seen: it would be trained twice."""
+TOKENIZE_READS = "tokenize reads the validated/ shards of the validate stage"
+
+
+def trainable_records(path: Path) -> Iterator[dict]:
+    """The records of a validated shard, each checked as it is read: a completion record that
+    passed validation (``qa`` without ``reasons``: a rejected or an unvalidated record would be
+    trained on), whose id was not seen before (it would be trained twice)."""
     seen: set[str] = set()
-    for rec in records:
+    for n, (_, rec) in enumerate(checked_records(path, "completion", TOKENIZE_READS), 1):
+        if "qa" not in rec:
+            raise RecordError(f"line {n}: record {rec['id']} was never validated (no qa): {TOKENIZE_READS}")
+        if rec["qa"].get("reasons"):
+            raise RecordError(f"line {n}: record {rec['id']} was rejected ({', '.join(rec['qa']['reasons'])}): "
+                              f"{TOKENIZE_READS}, never the rejected/ ones")
         if rec["id"] in seen:
             raise RecordError(f"record id {rec['id']} appears twice; every id must be unique (re-run the rules "
                               f"that wrote the shard)")
@@ -222,7 +233,7 @@ def tokenize_shard(validated_path: Path, out_tensors: Path, out_index: Path, tok
     rows = []
     counts = Counter()
     trainable_by_cat: dict[str, list[int]] = defaultdict(list)
-    records = unique_ids(iter_jsonl(validated_path))
+    records = trainable_records(validated_path)
     try:
         with progress(desc=f"tokenize {Path(validated_path).name}", unit="record") as bar:
             for batch, batch_rows in batches(records, enc, cfg, counts):
@@ -252,8 +263,6 @@ def tokenize_shard(validated_path: Path, out_tensors: Path, out_index: Path, tok
         loss_mask[start:start + prompt_length] = 0
     tensors = {"input_ids": torch.from_numpy(input_ids), "loss_mask": torch.from_numpy(loss_mask),
                "offsets": torch.tensor(offsets, dtype=torch.int64)}
-    with atomic_path(out_tensors) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "dflash-tokenized-v1"})
     stats = {
         "rows": len(rows),
         "tokens": len(input_ids),
@@ -261,6 +270,11 @@ def tokenize_shard(validated_path: Path, out_tensors: Path, out_index: Path, tok
         **{k: counts[k] for k in COUNTS},
         "trainable_by_category": {c: {"rows": len(v), "tokens": sum(v)} for c, v in sorted(trainable_by_cat.items())},
     }
-    write_json(out_index, {"rows": rows, "stats": stats})
+    # rows without their index (or the reverse) must never look like a finished shard
+    with atomic_files(out_tensors, out_index) as (tensors_tmp, index_tmp):
+        with naming_full_disk(out_tensors):
+            save_file(tensors, str(tensors_tmp), metadata={"format": "dflash-tokenized-v1"})
+        with naming_full_disk(out_index):
+            index_tmp.write_text(json_text({"rows": rows, "stats": stats}), encoding="utf-8")
     log.info("tokenize %s: %s", Path(validated_path).name, {k: v for k, v in stats.items() if k != "trainable_by_category"})
     return stats

@@ -52,12 +52,12 @@ Output directory (written under a temporary name, renamed when complete):
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import math
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -71,14 +71,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from dflash.hidden import cached_features, forward_features
+from dflash.hidden import cached_features, check_token_ids, forward_features
 from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config, write_drafter_state
 from dflash.errors import RANK_ERRORS, first_rank_error, rank_error_recorded
-from dflash.io import atomic_dir, atomic_path
+from dflash.io import atomic_dir, atomic_path, load_safetensors, open_safetensors, read_json, replace_problem
 from dflash.workflow import CONSOLE_FD, job_console, progress
 
 REQUIRED = object()
@@ -166,6 +164,7 @@ class ShardData:
         self._files = ExitStack()
         self.handles = []
         self.rows: list[Row] = []
+        self.row_ids: dict[str, Path] = {}  # a row's id -> the index that lists it
         self.summary = {"shards": len(tokenized), "rows": 0, "tokens": 0,
                         "trainable_rows": 0, "trainable_tokens": 0, "supervised_tokens": 0}
         try:
@@ -178,20 +177,26 @@ class ShardData:
             raise ValueError("no trainable row has two consecutive supervised tokens: nothing to train on")
 
     def _add_shard(self, shard, tok_path, hid_path, target_layer_ids, hidden_size, target_name, log):
-        tok = load_file(tok_path)
+        tok = load_safetensors(tok_path, ("input_ids", "loss_mask", "offsets"), "a tokenized shard")
         meta_path = tok_path.with_suffix(".json")
-        rows_meta = json.loads(meta_path.read_text())["rows"]
+        rows_meta = read_json(meta_path)["rows"]
         offsets = tok["offsets"].long()
         if len(rows_meta) != len(offsets) - 1:
             raise ValueError(f"{meta_path}: {len(rows_meta)} rows listed, {tok_path} has {len(offsets) - 1}")
 
         input_ids = tok["input_ids"].long()
+        if self.online is not None:
+            check_token_ids(tok_path, input_ids, offsets, self.online.get_input_embeddings().weight.shape[0])
         if hid_path is None:
             self.handles.append(None)
         else:
             self.handles.append(self._open_cache(Path(hid_path), tok_path, offsets, input_ids, target_layer_ids,
                                                  hidden_size, target_name, log))
 
+        if again := next((m["id"] for m in rows_meta if m["id"] in self.row_ids), None):
+            raise ValueError(f"{meta_path}: row {again} is a row of {self.row_ids[again]} too: a shard given twice "
+                             f"(or a copy of one) would train its rows twice; give each shard once")
+        self.row_ids.update((m["id"], meta_path) for m in rows_meta)
         loss_mask = tok["loss_mask"].bool()
         for r, row_meta in enumerate(rows_meta):
             start, end = int(offsets[r]), int(offsets[r + 1])
@@ -206,7 +211,8 @@ class ShardData:
                 self.summary["supervised_tokens"] += int(row.loss_mask.sum())
 
     def _open_cache(self, hid_path, tok_path, offsets, input_ids, target_layer_ids, hidden_size, target_name, log):
-        f = self._files.enter_context(safe_open(hid_path, framework="pt"))
+        f = self._files.enter_context(open_safetensors(hid_path, ("hidden_states", "input_ids", "offsets"),
+                                                       "a hidden-state shard"))
         meta = f.metadata() or {}
         layer_ids = json.loads(meta.get("target_layer_ids", "null"))
         if layer_ids != list(target_layer_ids):
@@ -458,6 +464,11 @@ def run_fingerprint(cfg: dict, tokenized: list[Path], target_dir: Path) -> str:
     how = ("device", "save_every", "parallel", "prefetch", "loss_chunk_tokens")
     h = hashlib.sha256(json.dumps({k: v for k, v in cfg.items() if k not in how}, sort_keys=True).encode())
     h.update(Path(target_dir).name.encode())
+    # the target's weights as this machine holds them (resume points never leave it): a target
+    # rebuilt or replaced in the same folder gives other features, and must not continue a run
+    for weights in sorted(Path(target_dir).glob("*.safetensors")) + sorted(Path(target_dir).glob("*.bin")):
+        info = weights.stat()
+        h.update(f"{weights.name} {info.st_size} {info.st_mtime_ns}".encode())
     for path in tokenized:
         h.update(Path(path).with_suffix(".json").read_bytes())
     return h.hexdigest()
@@ -564,6 +575,8 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
     log = log or logging.getLogger(__name__)
     cfg = resolve_cfg(cfg)
     target_dir, out_dir = Path(target_dir), Path(out_dir)
+    if problem := replace_problem(out_dir, "checkpoint"):  # now, not after the training
+        raise FileExistsError(problem)
     dist = Distributed(pick_device(cfg["device"]))
     device, main = dist.device, dist.rank == 0
     torch.manual_seed(cfg["seed"])
@@ -613,7 +626,7 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
             step0, first_loss, final_loss = state["step"], state["first_loss"], state["final_loss"]
             log_lines, window = state["log_lines"], {**state["window"], "t0": time.time()}
         if main:
-            tmp = outputs.enter_context(atomic_dir(out_dir))
+            tmp = outputs.enter_context(atomic_dir(out_dir, "checkpoint"))
             log_file = outputs.enter_context(open(tmp / "train_log.jsonl", "w"))
             log_file.writelines(log_lines)
         per_rank = cfg["batch_size"]
@@ -692,8 +705,11 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
             state = {"steps": steps, "first_loss": first_loss, "final_loss": final_loss, "seconds": seconds,
                      "resumed_from_step": step0, "processes": dist.world, "cfg": cfg, "data": data.summary}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
-    if main and resume.exists():
-        shutil.rmtree(resume)  # the checkpoint is in place: nothing left to resume
+    if main and resume.exists():  # the checkpoint is in place: nothing left to resume
+        for point in resume.glob("step-*.pt"):  # only what save_resume_point wrote
+            point.unlink()
+        with contextlib.suppress(OSError):  # a folder holding anything else is left as it is
+            resume.rmdir()
     dist.barrier()
     dist.close()
     return {"steps": steps, "final_loss": final_loss, "first_loss": first_loss,

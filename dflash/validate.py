@@ -16,12 +16,14 @@ from itertools import accumulate, islice
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from dflash.io import SHARD_RE, iter_jsonl, iter_jsonl_lines, jsonl_zst_writer, with_field, write_json
+from dflash.io import SHARD_RE, atomic_files, iter_jsonl, json_text, naming_full_disk, with_field, zst_lines
+from dflash.records import checked_records
 from dflash.toolcalls import check_tool_calls
 
 log = logging.getLogger(__name__)
 
 ACTIONS = ("reject", "flag", "off")
+VALIDATE_READS = "validate reads the completions/ shards of the generate stage"
 TAGS = re.compile(r"</?think>|</?tool_call>|</?tool_response>|<\|[a-z_]+\|>")
 SUBSTANCE = re.compile(r"\w+|[^\w\s]")
 STRAY_THINK = re.compile(r"</?think>")
@@ -331,42 +333,56 @@ def validate_shard(completions_path: Path, validated_path: Path, rejected_path: 
     lengths: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
     examples: dict[str, list[dict]] = defaultdict(list)
     seen: set[str] = set()  # a record twice would be trained twice
-    # zstd level 1: these shards are read once more, by tokenize; level 3 would cost a third of the stage.
-    with jsonl_zst_writer(validated_path, level=1) as keep, jsonl_zst_writer(rejected_path, level=1) as reject:
-        # No check reads token ids: they stay unparsed, and pass through in the raw lines.
-        for line, rec in iter_jsonl_lines(completions_path, skip_arrays=("prompt_token_ids", "output_token_ids")):
-            if rec["id"] in seen:
-                raise ValueError(f"{completions_path}: record id {rec['id']} appears twice; every id must be unique "
-                                 f"(re-run the generate rule of this shard)")
-            seen.add(rec["id"])
-            cat = rec["category"]
-            why = excluded.get(rec["id"]) or excluded.get(rec.get("prompt_id"))
-            if why:
-                reasons, flags, calls, details = ["excluded"], [], [], {"excluded": why}
-            else:
-                reasons, flags, calls, details = judge(rec, cfg)
-            per_cat[cat]["records"] += 1
-            for code in reasons + flags:
-                hits[code][cat] += 1
-                if len(examples[code]) < EXAMPLES_PER_REASON:
-                    examples[code].append(example(rec, code, details[code], calls))
-            qa = {"flags": flags, "tool_calls": calls, "details": details}
-            if reasons:
-                qa["reasons"] = reasons
-            per_cat[cat]["rejected" if reasons else "kept"] += 1
-            if not reasons and calls_a_tool(qa):
-                per_cat[cat]["kept_calling_tool"] += 1
-            (reject if reasons else keep)(with_field(line, rec, "qa", qa))
-            tokens = rec["usage"]["completion_tokens"]
-            lengths[cat]["output_tokens"].append(tokens)
-            if not reasons:
-                lengths[cat]["kept_output_tokens"].append(tokens)
-            lengths[cat]["reasoning_chars"].append(len(rec.get("reasoning") or ""))
-            lengths[cat]["content_chars"].append(len(rec.get("content") or ""))
+    # The three outputs appear together or not at all: rejected records alone would look like a run.
+    with atomic_files(validated_path, rejected_path, qa_path) as (validated_tmp, rejected_tmp, qa_tmp):
+        # zstd level 1: these shards are read once more, by tokenize; level 3 would cost a third of the stage.
+        with zst_lines(validated_tmp, 1, validated_path) as keep, zst_lines(rejected_tmp, 1, rejected_path) as reject:
+            # No check reads token ids: they stay unparsed, and pass through in the raw lines.
+            for line, rec in checked_records(completions_path, "completion", VALIDATE_READS,
+                                             skip_arrays=("prompt_token_ids", "output_token_ids")):
+                if rec["id"] in seen:
+                    raise ValueError(f"{completions_path}: record id {rec['id']} appears twice; every id must be "
+                                     f"unique (re-run the generate rule of this shard)")
+                seen.add(rec["id"])
+                cat = rec["category"]
+                why = excluded.get(rec["id"]) or excluded.get(rec.get("prompt_id"))
+                if why:
+                    reasons, flags, calls, details = ["excluded"], [], [], {"excluded": why}
+                else:
+                    reasons, flags, calls, details = judge(rec, cfg)
+                per_cat[cat]["records"] += 1
+                for code in reasons + flags:
+                    hits[code][cat] += 1
+                    if len(examples[code]) < EXAMPLES_PER_REASON:
+                        examples[code].append(example(rec, code, details[code], calls))
+                qa = {"flags": flags, "tool_calls": calls, "details": details}
+                if reasons:
+                    qa["reasons"] = reasons
+                per_cat[cat]["rejected" if reasons else "kept"] += 1
+                if not reasons and calls_a_tool(qa):
+                    per_cat[cat]["kept_calling_tool"] += 1
+                (reject if reasons else keep)(with_field(line, rec, "qa", qa))
+                tokens = rec["usage"]["completion_tokens"]
+                lengths[cat]["output_tokens"].append(tokens)
+                if not reasons:
+                    lengths[cat]["kept_output_tokens"].append(tokens)
+                lengths[cat]["reasoning_chars"].append(len(rec.get("reasoning") or ""))
+                lengths[cat]["content_chars"].append(len(rec.get("content") or ""))
+        report = qa_report(completions_path, cfg, hits, per_cat, lengths, examples)
+        with naming_full_disk(qa_path):
+            qa_tmp.write_text(json_text(report), encoding="utf-8")
+    log.info("validate %s: %d records, %d kept, %d rejected (%s)", report["shard"], report["records"], report["kept"],
+             report["rejected"], ", ".join(f"{c}={n['total']}" for c, n in report["checks"].items() if n["total"])
+             or "no hits")
+    return report
+
+
+def qa_report(completions_path: Path, cfg: dict, hits: dict, per_cat: dict, lengths: dict, examples: dict) -> dict:
+    """A shard's QA report: records kept and rejected, hits per check and category, lengths, examples."""
     kept = sum(c["kept"] for c in per_cat.values())
     rejected = sum(c["rejected"] for c in per_cat.values())
     total = kept + rejected
-    report = {
+    return {
         "shard": Path(completions_path).name,
         "records": total,
         "kept": kept,
@@ -380,7 +396,3 @@ def validate_shard(completions_path: Path, validated_path: Path, rejected_path: 
                     for cat, kinds in sorted(lengths.items())},
         "examples": dict(examples),
     }
-    write_json(qa_path, report)
-    log.info("validate %s: %d records, %d kept, %d rejected (%s)", report["shard"], total, kept, rejected,
-             ", ".join(f"{c}={n['total']}" for c, n in report["checks"].items() if n["total"]) or "no hits")
-    return report

@@ -250,7 +250,6 @@ def record_settings(cfg: dict) -> dict:
     """The ``generate`` settings that shape the records (the generate rule's params, so a change
     re-runs the shards); the others say where the server runs and how hard to push it (url,
     launch, concurrency, timeouts, retries, key, error budget)."""
-    server = cfg["server"]
-    return {"backend": cfg["backend"], "enable_thinking": cfg["enable_thinking"], "sampling": cfg["sampling"],
-            **({"dialect": server["dialect"], "model": server["model"], "extra_body": server["extra_body"]}
-               if cfg["backend"] == "openai" else {})}
+    server = cfg.get("server") or {}  # (a section as the package's callers pass it: what they set)
+    return {"backend": cfg["backend"], "enable_thinking": cfg.get("enable_thinking"), "sampling": cfg.get("sampling"),
+            **({k: server.get(k) for k in ("dialect", "model", "extra_body")} if cfg["backend"] == "openai" else {})}

@@ -12,7 +12,6 @@ rule serve:
         local(service(f"{OUT}/servers/{{server}}.json")),
     params:
         python=sys.executable,
-        launch=lambda wildcards: json.dumps(LAUNCH),  # a function: the command's {port} is no wildcard
         served_model_name=config["generate"]["server"]["model"] or TARGET,
         # the pilot's server runs before any other (their generate jobs wait for the pilot): port + 0
         index=lambda wildcards: 0 if wildcards.server == "pilot" else int(wildcards.server),
@@ -27,9 +26,11 @@ rule serve:
         server=f"{LOGS}/serve/{{server}}.server.log",
     conda:
         "../envs/sglang.yaml"
+    # generate.server.launch comes as $DFLASH_LAUNCH (the Snakefile sets it): on the command line its
+    # env (HF_TOKEN) would show in ps to every user of the node, in printshellcmds and in .snakemake/metadata.
     shell:
         "exec {params.python:q} -m dflash.server --service {output:q} --model {input.target:q}"
-        " --served-model-name {params.served_model_name:q} --launch {params.launch:q} --index {params.index}"
+        " --served-model-name {params.served_model_name:q} --index {params.index}"
         " --log {log.launcher:q} --server-log {log.server:q}"
 
 

@@ -6,7 +6,7 @@ checkpoint prompts:
         # its tokenizer, template and context: prompts it cannot take are dropped here, not sent
         target=TARGET_INPUT,
     output:
-        directory(f"{OUT}/prompts"),
+        replaced_folder(f"{OUT}/prompts"),
     params:
         sources=config["prompts"]["sources"],
         shard_size=config["prompts"]["shard_size"],

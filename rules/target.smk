@@ -4,7 +4,7 @@ rule target:
     input:
         [external(path) for path in demo_target_sources(config)],
     output:
-        directory(f"{OUT}/target"),
+        replaced_folder(f"{OUT}/target"),
     params:
         build=config["target"]["build"],
     threads: 8  # capped at --cores; a fixed number keeps `snakemake --report` (no --cores) working

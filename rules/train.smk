@@ -9,7 +9,7 @@ rule train:
         target=TARGET_INPUT,
         gates=ancient(f"{OUT}/qa/gates.json"),
     output:
-        directory(f"{OUT}/checkpoints/{{run}}"),
+        replaced_folder(f"{OUT}/checkpoints/{{run}}"),
     params:
         drafter=config["drafter"],
         train=config["train"],

@@ -19,6 +19,7 @@ from dflash.prompts import build_prompts
 from dflash.records import record_errors
 from dflash.chat import render_prompt
 from dflash.tokenize import tokenize_shard
+from tests.test_tokenize import validated
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city.",
@@ -202,7 +203,7 @@ def test_imported_exchanges_become_exact_records_and_rows(tmp_path, tok, target_
 
     # rows from text: the prompt as the template renders the request (history reasoning dropped,
     # the agent loop's kept), the text as the continuation, end of turn only after a stop
-    write_jsonl_zst(tmp_path / "v.jsonl.zst", records)
+    write_jsonl_zst(tmp_path / "v.jsonl.zst", map(validated, records))
     stats = tokenize_shard(tmp_path / "v.jsonl.zst", tmp_path / "t.safetensors", tmp_path / "t.json", tok,
                            {"max_length": 4096, "retokenize_sample": 1.0})
     assert stats["from_text"] == len(records) and stats["boundary_unstable"] == 0

@@ -16,8 +16,9 @@ def test_help_lists_every_stage():
 
 
 def test_validate_twin_on_one_shard(tmp_path):
-    rec = {"id": "a", "category": "chat", "text": "x\n</think>\n\nOK.", "reasoning": "x\n", "content": "\n\nOK.",
-           "finish_reason": "stop", "error": None, "usage": {"completion_tokens": 4}, "generation": {"enable_thinking": True}}
+    from tests.test_validate import record
+
+    rec = record("x\n</think>\n\nOK.", rid="a")
     write_jsonl_zst(tmp_path / "c.jsonl.zst", [rec])
     rc = main(["validate", "--config", str(ROOT / "config.yaml"), "--completions", str(tmp_path / "c.jsonl.zst"),
                "--validated", str(tmp_path / "v.jsonl.zst"), "--rejected", str(tmp_path / "r.jsonl.zst"),
@@ -41,7 +42,8 @@ def test_prompts_twin_and_clear_errors(tmp_path, capsys, monkeypatch, target_dir
                  "--target", str(target_dir)]) == 1
     assert "data/demo/chat.jsonl: no such file" in capsys.readouterr().err
     assert main(["prompts", "--config", str(ROOT / "config.yaml"), "--out", str(tmp_path / "q")]) == 1
-    assert "results/target: no target model folder" in capsys.readouterr().err
+    assert ("results/target: no such model folder (its tokenizer and template screen the prompts): build the demo "
+            "target first (snakemake results/target), or give --target") in capsys.readouterr().err
     bad = tmp_path / "bad.yaml"
     bad.write_text("prompts: {sources: [{name: a, path: a.jsonl}]}\nrun_name: x\n")
     assert main(["validate", "--config", str(bad), "--completions", "c", "--validated", "v", "--rejected", "r", "--qa", "q"]) == 2

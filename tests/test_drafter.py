@@ -11,6 +11,7 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 from dflash.drafter import (DFlashDraftModel, build_target_layer_ids, draft_attention_mask, load_drafter,
                             make_draft_config, save_drafter)
+from dflash.io import OUTPUT_MARK
 
 
 H = 64
@@ -149,7 +150,7 @@ def test_checkpoint_round_trip(tmp_path):
     save_drafter(model, model.config, tmp_path / "ckpt")
     save_drafter(model, model.config, tmp_path / "ckpt")  # overwriting a finished checkpoint works
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [OUTPUT_MARK, "config.json", "model.safetensors"]
     loaded, config = load_drafter(tmp_path / "ckpt")
     assert config.to_dict() == model.config.to_dict()
     x = inputs()

@@ -14,6 +14,7 @@ from dflash.io import read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source
 from dflash.server import ServerProcess, free_port
 from dflash.tokenize import tokenize_shard
+from tests.test_tokenize import validated
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +57,7 @@ def test_openai_backend_against_a_real_server(server, prompts, target, target_di
         assert rec["usage"]["completion_tokens"] > 0 and rec["usage"]["prompt_tokens"] > 0
         assert (rec["reasoning"], rec["content"]) == split_reasoning(rec["text"], True)
     # Records without ids still tokenize, through the chat template.
-    write_jsonl_zst(tmp_path / "v.jsonl.zst", out)
+    write_jsonl_zst(tmp_path / "v.jsonl.zst", map(validated, out))
     stats = tokenize_shard(tmp_path / "v.jsonl.zst", tmp_path / "t.safetensors", tmp_path / "t.json", target[1],
                            {"max_length": 4096, "retokenize_sample": 1.0})
     assert stats["from_text"] == 4

@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 from dflash.hidden import cache_bytes, cached_features, capture_shard, forward_features
 from dflash.io import write_jsonl_zst
 from dflash.tokenize import tokenize_shard
+from tests.test_tokenize import validated
 
 
 def test_features_equal_hidden_states_of_a_plain_forward(target):
@@ -37,7 +38,7 @@ def tokenized_shard(tmp_path, tok):
         o = tok.encode("Let me think.\n</think>\n\nAnswer.", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
         recs.append({"id": f"r{i}", "category": "chat", "text": "", "finish_reason": "stop",
                      "prompt_token_ids": p, "output_token_ids": o})
-    write_jsonl_zst(tmp_path / "v.jsonl.zst", recs)
+    write_jsonl_zst(tmp_path / "v.jsonl.zst", map(validated, recs))
     tokenize_shard(tmp_path / "v.jsonl.zst", tmp_path / "t.safetensors", tmp_path / "t.json", tok, {"max_length": 4096, "retokenize_sample": 1.0})
 
 

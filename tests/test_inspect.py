@@ -7,7 +7,7 @@ from dflash.cli import main
 from dflash.io import read_jsonl, write_jsonl_zst
 from dflash.tokenize import tokenize_shard
 from dflash.validate import validate_shard
-from tests.test_tokenize import with_ids
+from tests.test_tokenize import validated, with_ids
 from tests.test_validate import CFG, GOOD, STORY_LOOP, answer, record, xml
 
 
@@ -30,7 +30,7 @@ def inspect(capsys, *args):
 def test_readable_records_with_reasons_calls_and_details(shards, capsys):
     rc, out, err = inspect(capsys, shards / "rejected.jsonl.zst", "--reason", "repetition_loop")
     assert rc == 0 and err.strip() == "1 of 1 shown"
-    assert out.startswith("── loop  [chat]  finish=length  output tokens=10  REJECTED: finish_length, empty_answer, "
+    assert out.startswith("── loop  [chat]  s  finish=length  tokens=12+10  REJECTED: finish_length, empty_answer, "
                           "repetition_loop, stray_think")
     assert "  repetition_loop: 400 x '<tool_call>\\n</think>' (2 lines in a row)" in out
     assert "characters left out; --full shows all" in out
@@ -53,7 +53,7 @@ def test_filters_combine_and_json_is_the_whole_record(shards, capsys):
 
 def test_tokenized_rows_show_prompt_and_supervised_output(tmp_path, capsys, target, target_dir):
     tok = target[1]
-    write_jsonl_zst(tmp_path / "v.jsonl.zst", [with_ids(tok, "a", "Two plus two is four.\n</think>\n\n4")])
+    write_jsonl_zst(tmp_path / "v.jsonl.zst", [validated(with_ids(tok, "a", "Two plus two is four.\n</think>\n\n4"))])
     tokenize_shard(tmp_path / "v.jsonl.zst", tmp_path / "t.safetensors", tmp_path / "t.json", tok, {"max_length": 4096, "retokenize_sample": 1.0})
     rc, out, _ = inspect(capsys, tmp_path / "t.safetensors", "--target", target_dir)
     assert rc == 0 and out.startswith("── a  [reasoning]")
@@ -103,7 +103,7 @@ def test_a_json_document_is_no_shard(shards, capsys, tmp_path, target):
     assert rc == 1 and out == ""
     assert err == (f"dflash inspect: {shards}/qa.json: a JSON document, not JSONL records: inspect reads shards "
                    f"(.jsonl.zst, .jsonl, .safetensors); read it with `python -m json.tool {shards}/qa.json`\n")
-    write_jsonl_zst(tmp_path / "v.jsonl.zst", [with_ids(target[1], "a", "Four.\n</think>\n\n4")])
+    write_jsonl_zst(tmp_path / "v.jsonl.zst", [validated(with_ids(target[1], "a", "Four.\n</think>\n\n4"))])
     tokenize_shard(tmp_path / "v.jsonl.zst", tmp_path / "t.safetensors", tmp_path / "t.json", target[1],
                    {"max_length": 4096, "retokenize_sample": 1.0})
     rc, _, err = inspect(capsys, tmp_path / "t.json")

@@ -1,6 +1,6 @@
 """Profiles and configs for real runs, planned by real Snakemake dry runs: the SLURM profiles with
 the site file, the local profile's GPU count, the shipped real-run config, and the guard that
-keeps the demo's sizes out of a real run."""
+keeps the demo's sizes out of a real run; and the SLURM executor settings docs/cluster.md promises."""
 import json
 import os
 import subprocess
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+import yte
 
 from dflash.cluster import SiteError, local_gpus, site
 from dflash.config import DEMO_SIZED, _at, demo_sized_problem, load_config
@@ -178,3 +179,17 @@ def test_a_wrong_site_file_stops_before_any_job(tmp_path):
     missing = dry_run(tmp_path, "--profile", str(ROOT / "profiles" / "slurm-b200"),
                       env={"DFLASH_SITE": str(tmp_path / "nope.yaml")})
     assert missing.returncode != 0 and "nope.yaml: no site file" in missing.stdout + missing.stderr
+
+
+@pytest.mark.parametrize("profile", ["slurm-b200", "slurm-rtxpro6000"])
+def test_slurm_profiles_keep_every_job_log_and_need_no_accounting(profile, monkeypatch):
+    """docs/cluster.md promises each sbatch job's log in logs/slurm/ (the plugin deletes a
+    successful job's unless told), and job states that a cluster without sacct's accounting gives."""
+    monkeypatch.setenv("DFLASH_SITE", str(ROOT / "profiles" / "site.yaml"))
+    with open(ROOT / "profiles" / profile / "config.yaml") as f:
+        shipped = yte.process_yaml(f, require_use_yte=True)
+    assert shipped["slurm-logdir"] == "logs/slurm" and shipped["slurm-keep-successful-logs"] is True
+    assert shipped["slurm-status-command"] == "squeue"
+    # the test cluster's overlay only adds keys: it replaces none of what the tests should check
+    ci = yaml.safe_load((ROOT / "tests" / "slurm-ci" / "config.yaml").read_text())
+    assert not set(ci) & set(shipped), set(ci) & set(shipped)

@@ -22,7 +22,7 @@ import yaml
 
 from dflash.config import ConfigError, check_config
 from dflash.generate import use_started_server
-from dflash.server import free_port
+from dflash.server import LAUNCH_ENV, free_port
 from tests.conftest import ROOT, demo_slice
 from tests.test_pipeline import snakemake
 
@@ -51,13 +51,14 @@ def test_launch_defaults_and_clear_errors():
         config(command="serve", prot=30000)
 
 
-def launcher(tmp_path: Path, command: str, **launch) -> subprocess.Popen:
-    """The serve rule's command line, from the package as installed."""
+def launcher(tmp_path: Path, command: str, console=None, **launch) -> subprocess.Popen:
+    """The serve rule's command line, from the package as installed, with the launch spec in the
+    environment as the Snakefile passes it; ``console``: the launcher's stderr (default: ours)."""
     spec = {**config(command=command, **launch)["generate"]["server"]["launch"]}
     return subprocess.Popen([sys.executable, "-m", "dflash.server", "--service", str(tmp_path / "servers" / "0.json"),
                              "--model", str(tmp_path / "my model"), "--served-model-name", "tiny",
-                             "--launch", json.dumps(spec), "--log", str(tmp_path / "serve.log"),
-                             "--server-log", str(tmp_path / "serve.server.log")], cwd=tmp_path)
+                             "--log", str(tmp_path / "serve.log"), "--server-log", str(tmp_path / "serve.server.log")],
+                            cwd=tmp_path, env={**os.environ, LAUNCH_ENV: json.dumps(spec)}, stderr=console)
 
 
 def generate_cfg(**launch) -> dict:

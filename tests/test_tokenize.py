@@ -1,6 +1,7 @@
 import pytest
 from safetensors.torch import load_file
 
+from dflash.chat import split_reasoning
 from dflash.io import read_json, write_jsonl_zst
 from dflash.tokenize import tokenize_shard
 
@@ -23,8 +24,19 @@ def with_ids(tok, rid, text, finish="stop"):
             "generation": {"enable_thinking": True}}
 
 
+def validated(rec: dict) -> dict:
+    """A test record completed into a whole validated completion record, what tokenize reads."""
+    reasoning, content = split_reasoning(rec["text"], True)
+    sampling = {"temperature": 0, "top_p": 1, "top_k": 0, "seed": 0, "max_tokens": 256}
+    return {"prompt_id": rec["id"], "source": "test", "messages": MESSAGES, "tools": None, "category": "chat",
+            "reasoning": reasoning, "content": content,
+            "usage": {"prompt_tokens": 0, "completion_tokens": 0}, "error": None, "qa": {"flags": [], "tool_calls": []},
+            **rec, "generation": {"backend": "test", "engine_version": "test", "model": "m", "sampling": sampling,
+                                  "enable_thinking": True, **rec.get("generation", {})}}
+
+
 def run(tmp_path, tok, recs, max_length=4096):
-    write_jsonl_zst(tmp_path / "v.jsonl.zst", recs)
+    write_jsonl_zst(tmp_path / "v.jsonl.zst", map(validated, recs))
     stats = tokenize_shard(tmp_path / "v.jsonl.zst", tmp_path / "t.safetensors", tmp_path / "t.json", tok,
                            {"max_length": max_length, "retokenize_sample": 1.0})
     return stats, load_file(str(tmp_path / "t.safetensors")), read_json(tmp_path / "t.json")
@@ -183,7 +195,7 @@ def test_openai_style_history_with_string_arguments_renders_as_mappings(tmp_path
     assert stats["rows"] == 2 and t["input_ids"][off[0]:off[1]].tolist() == t["input_ids"][off[1]:off[2]].tolist()
     assert "<parameter=city>\nParis\n</parameter>" in tok.decode(t["input_ids"][off[0]:off[1]].tolist())
     # arguments that are not JSON: the record is named, nothing is written
-    write_jsonl_zst(tmp_path / "bad.jsonl.zst", [rec("fine", {"city": "Paris"}), rec("bad", '{"city": ')])
+    write_jsonl_zst(tmp_path / "bad.jsonl.zst", map(validated, [rec("fine", {"city": "Paris"}), rec("bad", '{"city": ')]))
     with pytest.raises(ValueError, match=rf"^{tmp_path}/bad.jsonl.zst: record bad: tool call 'get_weather': "
                                          r"arguments are not valid JSON \(Expecting value\)"):
         tokenize_shard(tmp_path / "bad.jsonl.zst", tmp_path / "b.safetensors", tmp_path / "b.json", tok,
@@ -203,7 +215,7 @@ def test_openai_style_history_with_string_arguments_renders_as_mappings(tmp_path
 
 def test_a_duplicated_id_is_refused(tmp_path, tok):
     a = with_ids(tok, "a", "Two plus two is four.\n</think>\n\n4")
-    write_jsonl_zst(tmp_path / "v.jsonl.zst", [a, with_ids(tok, "b", "Four.\n</think>\n\n4"), a])
+    write_jsonl_zst(tmp_path / "v.jsonl.zst", map(validated, [a, with_ids(tok, "b", "Four.\n</think>\n\n4"), a]))
     with pytest.raises(ValueError, match=rf"^{tmp_path}/v.jsonl.zst: record id a appears twice"):
         tokenize_shard(tmp_path / "v.jsonl.zst", tmp_path / "t.safetensors", tmp_path / "t.json", tok,
                        {"max_length": 4096, "retokenize_sample": 1.0})

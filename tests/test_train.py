@@ -16,6 +16,7 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 import dflash.train
 from dflash.drafter import TargetIO, load_drafter
 from dflash.hidden import forward_features
+from dflash.io import OUTPUT_MARK
 from dflash.train import (HeadCE, Row, anchor_candidates, block_loss, lr_at, make_batch, resolve_cfg, sample_anchors,
                           train)
 from tests.test_drafter import reference  # noqa: F401 (fixture)
@@ -305,7 +306,7 @@ def test_train_overfits_and_writes_checkpoint(tiny_target_dir, shards, tmp_path)
     # The tiny random lm_head gives small logits, so the loss falls slowly once the argmax is right.
     assert summary["final_loss"] < 0.75 * summary["first_loss"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]  # no temporary directory left
-    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "train_log.jsonl",
+    assert {p.name for p in out.iterdir()} == {OUTPUT_MARK, "config.json", "model.safetensors", "train_log.jsonl",
                                                "trainer_state.json"}
 
     lines = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]

@@ -16,9 +16,13 @@ def record(text, finish="stop", thinking=True, category="chat", error=None, rid=
         reasoning, content = text.split("</think>", 1)
     else:
         reasoning, content = (text, "") if thinking else (None, text)
-    return {"id": rid, "category": category, "text": text, "reasoning": reasoning, "content": content,
-            "finish_reason": finish, "error": error, "usage": {"completion_tokens": 10},
-            "generation": {"enable_thinking": thinking}, "tools": tools}
+    return {"id": rid, "prompt_id": rid, "source": "s", "category": category,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}], "tools": tools,
+            "text": text, "reasoning": reasoning, "content": content, "finish_reason": finish,
+            "prompt_token_ids": None, "output_token_ids": None, "usage": {"prompt_tokens": 12, "completion_tokens": 10},
+            "generation": {"backend": "transformers", "engine_version": "test", "model": "m", "enable_thinking": thinking,
+                           "sampling": {"temperature": 0, "top_p": 1, "top_k": 0, "seed": 0, "max_tokens": 64}},
+            "error": error}
 
 
 GOOD = record(f"{REASONING}\n</think>\n\nThe capital of France is Paris.")
