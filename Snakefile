@@ -13,8 +13,8 @@ from dflash.config import ConfigError, check_config, demo_sized_problem, read_ya
 from dflash.errors import debug_requested
 from dflash.pilot import toggle_problem
 from dflash.storage import check_s3_prefix
-from dflash.workflow import (demo_target_sources, layer_selection, prompt_check_settings, record_settings, shard_ids,
-                             target_dir)
+from dflash.workflow import (HIDDEN_FORMAT, demo_target_sources, layer_selection, prompt_check_settings,
+                             record_settings, shard_ids, target_dir)
 
 min_version("9.0")
 

@@ -64,7 +64,7 @@ from dflash.hidden import capture_shard
 from dflash.io import read_jsonl
 from dflash.target import build_target
 from dflash.train import train
-from dflash.workflow import demo_target_sources, drafter_train_cfg, layer_selection
+from dflash.workflow import HIDDEN_FORMAT, demo_target_sources, drafter_train_cfg, layer_selection
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,10 +78,17 @@ def load_reference(path: Path):
     return module
 
 
-def attention_only_models(results: Path, config: dict, work: Path) -> tuple[Path, Path]:
-    """(target, drafter) folders of the full-attention variant (see the module docstring), built into
-    ``work`` unless already there."""
-    target_dir, drafter_dir = work / "target", work / "drafter"
+def cache_format(path: Path) -> str | None:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return (f.metadata() or {}).get("format")
+
+
+def attention_only_target(results: Path, config: dict, work: Path) -> tuple[Path, list[Path]]:
+    """(target folder, its hidden-state shards of the run's tokenized shards) of the full-attention
+    variant (see the module docstring), built into ``work`` unless already there."""
+    target_dir = work / "target"
     if not target_dir.exists():
         # The config's source paths are relative to the run's folder (results' parent).
         sources = [results.resolve().parent / p for p in demo_target_sources(config)]
@@ -89,13 +96,22 @@ def attention_only_models(results: Path, config: dict, work: Path) -> tuple[Path
     if (target_dir / "tokenizer.json").read_bytes() != (results / "target" / "tokenizer.json").read_bytes():
         sys.exit(f"{target_dir}: its tokenizer is not the run's ({results / 'target'}), so the run's tokenized "
                  "shards do not fit it")
+    (work / "hidden").mkdir(parents=True, exist_ok=True)
+    hidden = []
+    for t in sorted((results / "tokenized").glob("shard-*.safetensors")):
+        hidden.append(work / "hidden" / t.name)
+        if not hidden[-1].exists() or cache_format(hidden[-1]) != HIDDEN_FORMAT:  # older caches lack greedy tokens
+            capture_shard(t, hidden[-1], target_dir, layer_selection(config["drafter"]), config["hidden"]["dtype"])
+    return target_dir, hidden
+
+
+def attention_only_models(results: Path, config: dict, work: Path) -> tuple[Path, Path]:
+    """(target, drafter) folders of the full-attention variant, built into ``work`` unless already
+    there: the drafter trained on the variant's features of the run's tokenized shards."""
+    target_dir, hidden = attention_only_target(results, config, work)
+    drafter_dir = work / "drafter"
     if not drafter_dir.exists():
         tokenized = sorted((results / "tokenized").glob("shard-*.safetensors"))
-        (work / "hidden").mkdir(parents=True, exist_ok=True)
-        hidden = [work / "hidden" / t.name for t in tokenized]
-        for t, h in zip(tokenized, hidden):
-            if not h.exists():
-                capture_shard(t, h, target_dir, layer_selection(config["drafter"]), config["hidden"]["dtype"])
         train(tokenized, hidden, target_dir, drafter_dir, drafter_train_cfg(config, target_dir))
     return target_dir, drafter_dir
 

@@ -6,13 +6,20 @@ steps on the same data and compares what they make:
 
 - data: a finished demo run's results (`make demo`; `--results`): its target, its tokenized rows
   (with their categories) and its hidden-state cache, and its held-out prompts for the eval;
+  `--attention-only`: the full-attention (`qwen3`) variant of the demo target instead, built and
+  taught as the run's config builds its own, with its own cache of the run's rows
+  (`eval_vs_reference.attention_only_target`, built once into `--work`), so that a win is not one
+  model's accident;
 - drafter: the run's drafter config (`drafter` section: layers, block size, target layers, mask
   token), built by make_draft_config for both, so both have the same shape and RoPE;
 - training: the run's `train` section for steps, peak lr, rows per step and anchors per row;
-  each trainer otherwise runs its own recipe: ours dflash.train.train (CE on the data's next
-  tokens, weights exp(-(k-1)/gamma), warmup + cosine, its AdamW); speculators its DFlash defaults
-  (`bench/speculators_train_rows.py`: CE against the verifier's argmax with D-PACE weights,
-  linear schedule, AdamW wd 0.01, rows packed into one sequence). fp32, one thread each, CPU;
+  each trainer otherwise runs its own recipe: ours dflash.train.train with the config's
+  `train.loss` (`--ablation`: each of {decay, dpace} weights x {data, target} labels), warmup +
+  cosine, its AdamW; speculators its DFlash defaults (`bench/speculators_train_rows.py`: CE
+  against the verifier's argmax with D-PACE weights, linear schedule, AdamW wd 0.01, rows packed
+  into one sequence). fp32, one thread each, CPU, `--jobs` trainings at a time;
+- seeds (`--seeds 0,1,2`): each trainer once per seed (model init, row order, anchors), so the
+  spread of a single run's figures is printed beside them;
 - the weights map one to one: speculators' DFlashDraftModel has our parameter names (fc,
   hidden_norm, layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj, q_norm, k_norm,
   post_attention_layernorm, mlp.{gate,up,down}_proj}, norm); its frozen embed_tokens / lm_head /
@@ -20,14 +27,15 @@ steps on the same data and compares what they make:
   is checked: on one row with speculators' anchors, our DFlashDraftModel with the converted
   weights must give speculators' draft hidden states (max abs difference printed);
 - eval: dflash.eval.evaluate on the run's held-out prompts (greedy speculative decoding with the
-  target, its `eval` settings), the same target and prompts for both.
+  target, its `eval` settings), the same target and prompts for all.
 
 Prints training wall time (the training loop) and acceptance length overall and per category.
-One run of each: a quality comparison, not a timing ratio (see train_vs_speculators.py for that).
+A quality comparison, not a timing ratio (see train_vs_speculators.py for that).
 
 Usage: .venv/bin/python bench/train_equal_steps.py [--results results] [--config config.yaml]
-    [--steps N] [--speculators-python .venv-speculators/bin/python]
-(the demo's 1,000 steps: about 7 minutes on 2 cores, 30 on a heavily loaded machine)
+    [--steps N] [--ablation] [--attention-only [--work DIR]] [--seeds 0,1,2] [--jobs 2]
+    [--speculators-python .venv-speculators/bin/python]
+(the demo's 1,000 steps, --ablation: about 20 minutes on 2 cores; each seed or target as much again)
 """
 from __future__ import annotations
 
@@ -48,7 +56,7 @@ DROPPED = ("embed_tokens.", "lm_head.", "verifier_lm_head.", "verifier_norm.", "
 ENV = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
 
 
-def speculators_data(results: Path, drafter_dir: Path, out: Path) -> None:
+def speculators_data(results: Path, target_dir: Path, hidden: list[Path], drafter_dir: Path, out: Path) -> None:
     """The rows, features and target head speculators' trainer reads (see its helper's docstring),
     with the drafter config our trainer built (``drafter_dir``: its checkpoint)."""
     from safetensors import safe_open
@@ -60,7 +68,6 @@ def speculators_data(results: Path, drafter_dir: Path, out: Path) -> None:
     from dflash.target import load_target
     from dflash.train import anchor_candidates
 
-    target_dir = results / "target"
     config = Qwen3Config.from_pretrained(drafter_dir)
     config.save_pretrained(out)
     layer_ids = config.dflash_config["target_layer_ids"]
@@ -70,13 +77,13 @@ def speculators_data(results: Path, drafter_dir: Path, out: Path) -> None:
     target, _ = load_target(target_dir)
     last = config.num_target_layers - 1
     ids, mask, aux, final, offsets = [], [], [], [], [0]
-    for tok_path in sorted((results / "tokenized").glob("shard-*.safetensors")):
+    for tok_path, hid_path in zip(sorted((results / "tokenized").glob("shard-*.safetensors")), hidden):
         tok = load_file(tok_path)
         rows_meta = json.loads(tok_path.with_suffix(".json").read_text())["rows"]
-        with safe_open(results / "hidden" / tok_path.name, framework="pt") as handle:
+        with safe_open(hid_path, framework="pt") as handle:
             meta = json.loads((handle.metadata() or {}).get("target_layer_ids", "null"))
             if meta != layer_ids:
-                sys.exit(f"{results / 'hidden' / tok_path.name}: features of layers {meta}, the drafter wants {layer_ids}")
+                sys.exit(f"{hid_path}: features of layers {meta}, the drafter wants {layer_ids}")
             bounds = tok["offsets"].long().tolist()
             for r, (s, e) in enumerate(itertools.pairwise(bounds)):
                 row_mask = tok["loss_mask"][s:e].bool()
@@ -126,14 +133,56 @@ def convert(spec_out: Path, config_dir: Path, drafter_dir: Path) -> tuple[float,
     return float((hidden[0] - probe["hidden"]).abs().max()), float(probe["hidden"].abs().max())
 
 
+OURS = {"decay, data": {"weights": "decay", "labels": "data"},
+        "decay, target": {"weights": "decay", "labels": "target"},
+        "dpace, data": {"weights": "dpace", "labels": "data"},
+        "dpace, target": {"weights": "dpace", "labels": "target"}}
+
+
+def start_ours(tokenized: list[Path], hidden: list[Path], target_dir: Path, out: Path, cfg: dict) -> subprocess.Popen:
+    code = ("import json, sys, time, torch; torch.set_num_threads(1); from pathlib import Path; "
+            "from dflash.train import train; t0 = time.perf_counter(); "
+            f"train([Path(p) for p in {list(map(str, tokenized))!r}], [Path(p) for p in {list(map(str, hidden))!r}], "
+            f"Path({str(target_dir)!r}), Path({str(out)!r}), json.loads({json.dumps(cfg)!r})); "
+            "print(json.dumps({'seconds': time.perf_counter() - t0}))")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=ENV)
+
+
+def start_speculators(python: Path, data: Path, out: Path, cfg: dict, loss_weight: str) -> subprocess.Popen:
+    return subprocess.Popen([str(python), str(ROOT / "bench" / "speculators_train_rows.py"), str(data), str(out),
+                             "--steps", str(cfg["steps"]), "--lr", str(cfg["lr"]), "--batch", str(cfg["batch_size"]),
+                             "--anchors-per-row", str(cfg["num_anchors"]), "--seed", str(cfg["seed"]),
+                             "--loss-weight", loss_weight, "--gamma", str(cfg["loss"]["decay_gamma"])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
+
+
+def finish(name: str, run: subprocess.Popen) -> str:
+    out, err = run.communicate()
+    if run.returncode:
+        sys.exit(f"{name}: training failed:\n{err[-3000:]}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--results", type=Path, default=ROOT / "results", help="a finished demo run's results folder")
     ap.add_argument("--config", type=Path, default=ROOT / "config.yaml", help="that run's config")
     ap.add_argument("--steps", type=int, help="default: the config's train.steps")
+    ap.add_argument("--ablation", action="store_true",
+                    help="ours with each of {decay, dpace} x {data, target} (train.loss weights x labels), not only "
+                         "the config's")
+    ap.add_argument("--attention-only", action="store_true",
+                    help="the full-attention (qwen3) variant of the demo target, as eval_vs_reference.py builds it "
+                         "(into --work, reused), instead of the run's hybrid target")
+    ap.add_argument("--work", type=Path, default=ROOT / ".cache/bench-eval-attention-only")
+    ap.add_argument("--jobs", type=int, default=2, help="trainings at a time (one thread each)")
+    ap.add_argument("--seeds", type=lambda text: [int(x) for x in text.split(",")], default=None,
+                    help="comma-separated seeds, each trainer trained once per seed (default: the config's "
+                         "train.seed): the spread across seeds is the noise a single run's figures carry")
     ap.add_argument("--speculators-loss-weight", choices=["dpace", "fixed-exp-decay"], default="dpace",
                     help="speculators' per-position loss weights (dpace: its default for dflash; fixed-exp-decay "
-                         "uses our loss_decay_gamma)")
+                         "uses our train.loss.decay_gamma)")
     ap.add_argument("--speculators-python", type=Path, default=ROOT / ".venv-speculators" / "bin" / "python")
     a = ap.parse_args()
     if not a.speculators_python.exists():
@@ -151,61 +200,93 @@ def main() -> None:
     from dflash.workflow import drafter_train_cfg
 
     config = load_config(a.config)
-    target_dir = a.results / "target"
+    tokenized = sorted((a.results / "tokenized").glob("shard-*.safetensors"))
+    if a.attention_only:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from eval_vs_reference import attention_only_target
+
+        target_dir, hidden = attention_only_target(a.results, config, a.work)
+    else:
+        target_dir, hidden = a.results / "target", [a.results / "hidden" / p.name for p in tokenized]
     cfg = drafter_train_cfg(config, target_dir)
     if a.steps:
         cfg["steps"] = a.steps
     cfg.update(device="cpu", hidden_states="offline")
+    a.seeds = a.seeds or [cfg["seed"]]
     work = Path(tempfile.mkdtemp(prefix="bench-equal-steps-"))
-    print(f"data: {a.results}; drafter {cfg['num_layers']} layers, block {cfg['block_size']}, target layers "
-          f"{cfg['target_layer_ids']}; {cfg['steps']} steps, lr {cfg['lr']}, {cfg['batch_size']} rows per step, "
-          f"{cfg['num_anchors']} anchors per row; fp32, 1 thread each", flush=True)
+    combos = OURS if a.ablation else {"dflash-pipeline": cfg["loss"]}
+    which = "the full-attention variant" if a.attention_only else "the run's"
+    print(f"data: {a.results}; target {target_dir} ({which}); "
+          f"drafter {cfg['num_layers']} layers, block {cfg['block_size']}, target layers {cfg['target_layer_ids']}; "
+          f"{cfg['steps']} steps, lr {cfg['lr']}, {cfg['batch_size']} rows per step, {cfg['num_anchors']} anchors "
+          f"per row; fp32, 1 thread each, {a.jobs} at a time", flush=True)
 
-    tokenized = sorted(str(p) for p in (a.results / "tokenized").glob("shard-*.safetensors"))
-    hidden = [str(a.results / "hidden" / Path(p).name) for p in tokenized]
-    ours_code = ("import json, sys, time, torch; torch.set_num_threads(1); from pathlib import Path; "
-                 "from dflash.train import train; t0 = time.perf_counter(); "
-                 f"train([Path(p) for p in {tokenized!r}], [Path(p) for p in {hidden!r}], Path({str(target_dir)!r}), "
-                 f"Path({str(work / 'ours')!r}), json.loads({json.dumps(cfg)!r})); "
-                 "print(json.dumps({'seconds': time.perf_counter() - t0}))")
-    t0 = time.perf_counter()
-    ours = subprocess.run([sys.executable, "-c", ours_code], check=False, capture_output=True, text=True, cwd=ROOT,
-                          env=ENV)
-    if ours.returncode:
-        sys.exit(f"our trainer failed:\n{ours.stderr[-3000:]}")
-    ours_s = json.loads(ours.stdout.strip().splitlines()[-1])["seconds"]
-    print(f"ours trained in {ours_s:.1f} s ({time.perf_counter() - t0:.1f} s with the process start)", flush=True)
-    speculators_data(a.results, work / "ours", work / "data")
-    spec = subprocess.run([str(a.speculators_python), str(ROOT / "bench" / "speculators_train_rows.py"),
-                           str(work / "data"), str(work / "spec"), "--steps", str(cfg["steps"]), "--lr", str(cfg["lr"]),
-                           "--batch", str(cfg["batch_size"]), "--anchors-per-row", str(cfg["num_anchors"]),
-                           "--seed", str(cfg["seed"]), "--loss-weight", a.speculators_loss_weight,
-                           "--gamma", str(cfg["loss_decay_gamma"])], check=False, capture_output=True, text=True, cwd=ROOT,
-                           env=ENV)
-    if spec.returncode:
-        sys.exit(f"speculators' trainer failed:\n{spec.stderr[-3000:]}")
-    spec_summary = json.loads((work / "spec" / "summary.json").read_text())
-    print(f"speculators trained in {spec_summary['seconds']:.1f} s (loss {spec_summary['first_loss']:.3f} -> "
-          f"{spec_summary['final_loss']:.3f}, its own loss)", flush=True)
-    diff, scale = convert(work / "spec", work / "data", work / "spec-drafter")
-    print(f"converted speculators' weights to our format; our forward on its probe row: max abs difference "
-          f"{diff:.2e} (its hidden states reach {scale:.2f})", flush=True)
+    # speculators' rows need our drafter config (the trainer writes it; one step is enough)
+    shape = work / "shape"
+    finish("ours (config)", start_ours(tokenized, hidden, target_dir, shape, {**cfg, "steps": 1, "save_every": 0}))
+    speculators_data(a.results, target_dir, hidden, shape, work / "data")
+    spec_name = f"speculators 0.9.0 ({a.speculators_loss_weight})"
+    runs = {}  # (trainer, seed) -> (output folder, start)
+    for seed in a.seeds:
+        for name, loss in combos.items():
+            out = work / f"ours-{len(runs)}"
+            runs[name, seed] = (out, lambda out=out, loss=loss, seed=seed: start_ours(
+                tokenized, hidden, target_dir, out, {**cfg, "seed": seed, "loss": {**cfg["loss"], **loss}}))
+        out = work / f"spec-{seed}"
+        runs[spec_name, seed] = (out, lambda out=out, seed=seed: start_speculators(
+            a.speculators_python, work / "data", out, {**cfg, "seed": seed}, a.speculators_loss_weight))
+
+    t0, seconds, pending, running = time.perf_counter(), {}, list(runs), []
+    while pending or running:
+        while pending and len(running) < a.jobs:
+            running.append((pending[0], runs[pending[0]][1]()))
+            pending.pop(0)
+        time.sleep(1)
+        for key, run in [(k, r) for k, r in running if r.poll() is not None]:
+            running.remove((key, run))
+            out = finish(f"{key[0]} seed {key[1]}", run)
+            seconds[key] = (json.loads((runs[key][0] / "summary.json").read_text())["seconds"] if key[0] == spec_name
+                            else json.loads(out.strip().splitlines()[-1])["seconds"])
+            print(f"{key[0]} (seed {key[1]}) trained in {seconds[key]:.1f} s ({time.perf_counter() - t0:.0f} s so far)",
+                  flush=True)
+    drafters = {}
+    for key, (out, _) in runs.items():
+        if key[0] == spec_name:
+            spec_summary = json.loads((out / "summary.json").read_text())
+            diff, scale = convert(out, work / "data", out.with_name(out.name + "-drafter"))
+            print(f"speculators (seed {key[1]}): loss {spec_summary['first_loss']:.3f} -> "
+                  f"{spec_summary['final_loss']:.3f} (its own loss); converted to our format, our forward on its "
+                  f"probe row: max abs difference {diff:.2e} (its hidden states reach {scale:.2f})", flush=True)
+            out = out.with_name(out.name + "-drafter")
+        drafters[key] = out
 
     eval_cfg = settings({**config["eval"], "device": "cpu"})
     prompts = read_jsonl(a.results / "prompts" / "heldout.jsonl.zst")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     loaded = {"target": load_target(target_dir, eval_cfg), "prompt_ids": encode_prompts(prompts, tokenizer)}
-    results = {name: evaluate(target_dir, d, prompts, eval_cfg, tokenizer, **loaded)
-               for name, d in (("dflash-pipeline", work / "ours"), ("speculators 0.9.0", work / "spec-drafter"))}
-    same = [s["output_ids"] for s in results["dflash-pipeline"]["samples"]] == \
-        [s["output_ids"] for s in results["speculators 0.9.0"]["samples"]]
-    categories = sorted(results["dflash-pipeline"]["per_category"])
+    results = {key: evaluate(target_dir, d, prompts, eval_cfg, tokenizer, **loaded) for key, d in drafters.items()}
+    outputs = [[s["output_ids"] for s in r["samples"]] for r in results.values()]
+    same = all(o == outputs[0] for o in outputs)
+    categories = sorted(next(iter(results.values()))["per_category"])
     print(f"\nacceptance length on {len(prompts)} held-out prompts (max_new_tokens {eval_cfg['max_new_tokens']}, "
           f"greedy; outputs identical: {same}):")
-    print(f"{'':20} {'overall':>8} " + " ".join(f"{c:>9}" for c in categories) + "  train s")
-    for (name, r), secs in zip(results.items(), (ours_s, spec_summary["seconds"])):
-        print(f"{name:20} {r['overall']['acceptance_length']:8.3f} "
-              + " ".join(f"{r['per_category'][c]['acceptance_length']:9.3f}" for c in categories) + f"  {secs:7.1f}")
+    print(f"| trainer | seed | overall | {' | '.join(categories)} | training s |")
+    print("| --- " * (len(categories) + 4) + "|")
+
+    def row(label: str, seed: str, rs: list[dict], secs: list[float]) -> str:
+        def mean(values):
+            return sum(values) / len(values)
+        return (f"| {label} | {seed} | {mean([r['overall']['acceptance_length'] for r in rs]):.3f} | "
+                + " | ".join(f"{mean([r['per_category'][c]['acceptance_length'] for r in rs]):.3f}"
+                             for c in categories) + f" | {mean(secs):.0f} |")
+
+    for name in [*combos, spec_name]:
+        label = f"ours ({name})" if a.ablation and name in combos else name
+        keys = [(name, seed) for seed in a.seeds]
+        for key in keys:
+            print(row(label, str(key[1]), [results[key]], [seconds[key]]))
+        if len(keys) > 1:
+            print(row(label, "mean", [results[k] for k in keys], [seconds[k] for k in keys]))
     print(f"speculators recipe: {spec_summary['recipe']}")
     shutil.rmtree(work)
 

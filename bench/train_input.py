@@ -131,8 +131,8 @@ def build_seconds(target: Path, tokenized, hidden, cfg: dict, steps: int) -> flo
         for _ in range(steps):
             rows = [data.rows[next(order)] for _ in range(cfg["batch_size"])]
             anchors = [sample_anchors(r.loss_mask, cfg["num_anchors"], generator) for r in rows]
-            make_batch(rows, [data.features(r) for r in rows], anchors, cfg["block_size"], cfg["mask_token_id"],
-                       cfg["loss_decay_gamma"])
+            make_batch(rows, [data.target_outputs(r)[0] for r in rows], anchors, cfg["block_size"],
+                       cfg["mask_token_id"])
         return (time.perf_counter() - t0) / steps
 
 

@@ -90,7 +90,7 @@ def ours(rows_per_step: int) -> None:
     from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
     from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config
-    from dflash.train import Row, block_loss, make_batch, make_optimizer, sample_anchors
+    from dflash.train import DEFAULTS, Row, draft_loss, make_batch, make_optimizer, sample_anchors
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -110,13 +110,13 @@ def ours(rows_per_step: int) -> None:
 
     def step() -> int:
         anchors = [sample_anchors(r.loss_mask, ANCHORS, generator) for r in rows]
-        batch = make_batch(rows, feats, anchors, BLOCK, VOCAB - 1, 7.0)
-        loss, _, count = block_loss(model, io, batch, BLOCK)
+        batch = make_batch(rows, feats, anchors, BLOCK, VOCAB - 1)
+        loss, parts = draft_loss(model, io, batch, BLOCK, DEFAULTS["loss"], int(batch.supervised.sum()))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        return int(count.sum())
+        return int(parts.count.sum())
 
     serve(step, {"what": f"dflash-pipeline: {rows_per_step} row(s) x {ROW_LEN} tokens per step as an "
                          f"[{rows_per_step}, {ROW_LEN}] batch, {ANCHORS} anchors per row, attention per row"})

@@ -61,19 +61,21 @@ def _tokenize(cfg, a):
 def _hidden(cfg, a):
     from dflash.hidden import capture_shard
 
-    capture_shard(a.tokenized, a.out, a.target, layer_selection(cfg["drafter"]), cfg["hidden"]["dtype"])
+    capture_shard(a.tokenized, a.out, a.target, layer_selection(cfg["drafter"]), cfg["hidden"]["dtype"],
+                  fast_kernels=cfg["target"]["fast_kernels"])
 
 
 def _train(cfg, a):
     from dflash.train import train
 
-    train(a.tokenized, a.hidden or None, a.target, a.out, drafter_train_cfg(cfg, a.target))
+    train(a.tokenized, a.hidden or None, a.target, a.out,
+          {**drafter_train_cfg(cfg, a.target), "fast_kernels": cfg["target"]["fast_kernels"]})
 
 
 def _eval(cfg, a):
     from dflash.eval import run_eval
 
-    run_eval(a.checkpoint, a.target, a.heldout, a.out, cfg["eval"])
+    run_eval(a.checkpoint, a.target, a.heldout, a.out, {**cfg["eval"], "fast_kernels": cfg["target"]["fast_kernels"]})
 
 
 def _report(cfg, a):

@@ -25,6 +25,8 @@ outputs it reads slightly higher.
                                  config; may be smaller than it, not larger
     device: str = "auto"         "auto" = cuda when available, else cpu
     seed: int = 0                initialisation of the untrained (``init_only``) drafter
+    fast_kernels: str = "require"  ``target.fast_kernels``: a hybrid target on CUDA without its
+                                 linear-attention kernels stops the job ("require") or only warns ("warn")
 """
 from __future__ import annotations
 
@@ -34,16 +36,16 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, Qwen3Config
+from transformers import AutoConfig, DynamicCache, PreTrainedModel, Qwen3Config
 
 from dflash.chat import render, stop_token_ids
 from dflash.drafter import DFlashDraftModel, TargetIO, load_drafter
 from dflash.hidden import capture_layers, decoder_layers, forward_features
-from dflash.target import target_model
+from dflash.target import check_fast_kernels, target_model
 from dflash.train import pick_device
 from dflash.workflow import progress
 
-DEFAULTS = {"max_new_tokens": 96, "block_size": None, "device": "auto", "seed": 0}
+DEFAULTS = {"max_new_tokens": 96, "block_size": None, "device": "auto", "seed": 0, "fast_kernels": "require"}
 
 
 def untrained_drafter(drafter_dir: Path, seed: int = 0) -> tuple[DFlashDraftModel, Qwen3Config]:
@@ -227,7 +229,11 @@ def settings(cfg: dict) -> dict:
 
 
 def load_target(target_dir: Path, cfg: dict) -> PreTrainedModel:
-    return target_model(target_dir, "auto").to(pick_device(cfg["device"]))
+    device = pick_device(cfg["device"])
+    # on the config: a large target would take minutes to load before the job stops
+    check_fast_kernels(AutoConfig.from_pretrained(target_dir), device, cfg.get("fast_kernels", "require"),
+                       logging.getLogger(__name__))
+    return target_model(target_dir, "auto").to(device)
 
 
 def encode_prompts(prompts: list[dict], tokenizer) -> list[list[int]]:

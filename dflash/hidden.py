@@ -80,17 +80,33 @@ def forward_features(model, input_ids: torch.Tensor, layer_ids: list[int], logit
     return lg, feats
 
 
+def features_and_greedy(model, input_ids: torch.Tensor, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's (features [T, k, H], the target's greedy next token after each position [T],
+    int32) from one forward ``input_ids`` [1, T]: the last layer's normed output through the
+    lm_head, chunk by chunk (never the whole logits), whether or not it is a feature layer."""
+    from dflash.objective import head_argmax
+
+    last = len(decoder_layers(model)) - 1
+    ids = list(layer_ids) + ([] if last in layer_ids else [last])
+    _, feats = forward_features(model, input_ids, ids, logits=False)
+    greedy = head_argmax(feats[0, :, ids.index(last)], model.get_output_embeddings().weight)
+    return feats[0, :, :len(layer_ids)], greedy
+
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float8_e4m3fn": torch.float8_e4m3fn}
 FP8_MAX = 448.0  # the largest float8_e4m3fn value
 
 
+GREEDY_BYTES = 4  # one int32 per token: the target's greedy next token (target_argmax)
+
+
 def cache_bytes(tokens: int, num_layers: int, hidden_size: int, dtype: str) -> int:
     """Bytes of a hidden-state cache: tokens x layers x hidden x bytes per value (fp8 adds one
-    float32 scale per token and layer)."""
+    float32 scale per token and layer), and the target's greedy token per token."""
     per_value = torch.empty(0, dtype=DTYPES[dtype]).element_size()
     scales = 4 * tokens * num_layers if dtype == "float8_e4m3fn" else 0
-    return tokens * num_layers * hidden_size * per_value + scales
+    return tokens * num_layers * hidden_size * per_value + scales + GREEDY_BYTES * tokens
 
 
 def cache_plan(config: dict, target_dir: str | Path, tokens: int) -> dict:
@@ -109,9 +125,10 @@ def cache_plan(config: dict, target_dir: str | Path, tokens: int) -> dict:
     dtype = config["hidden"]["dtype"]
     size = cache_bytes(tokens, layers, text.hidden_size, dtype)
     return {"tokens": tokens, "layers": layers, "hidden_size": text.hidden_size, "dtype": dtype, "bytes": size,
-            "text": f"{tokens:.3g} tokens x {layers} layers x {text.hidden_size} x "
+            "text": f"{tokens:.3g} tokens x ({layers} layers x {text.hidden_size} x "
                     f"{torch.empty(0, dtype=DTYPES[dtype]).element_size()} B"
-                    f"{' + scales' if dtype == 'float8_e4m3fn' else ''} = {human_bytes(size)}"}
+                    f"{' + scales' if dtype == 'float8_e4m3fn' else ''} + {GREEDY_BYTES} B greedy token) = "
+                    f"{human_bytes(size)}"}
 
 
 def to_fp8(feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,41 +173,51 @@ def check_token_ids(tokenized_path: Path, input_ids: torch.Tensor, offsets: torc
 
 
 def capture_shard(tokenized_path: Path, out_path: Path, target_dir: Path, layers: dict,
-                  dtype: str = "bfloat16") -> dict:
-    """Selected-layer features of every token of every row of a tokenized shard.
+                  dtype: str = "bfloat16", device: str = "auto", fast_kernels: str = "require") -> dict:
+    """Selected-layer features of every token of every row of a tokenized shard, and the
+    target's greedy next token after each (the labels of ``train.loss.labels: target``).
 
-    Writes ``hidden_states`` [T_total, k, H] aligned with the tokenized shard's flat ``input_ids``
-    (which are stored again, with ``offsets``, so a cache can be checked against its rows).
+    Writes ``hidden_states`` [T_total, k, H] and ``target_argmax`` [T_total] (int32) aligned with
+    the tokenized shard's flat ``input_ids`` (which are stored again, with ``offsets``, so a cache
+    can be checked against its rows). On CUDA the target runs in bfloat16.
     """
     from safetensors.torch import save_file
+    from transformers import AutoConfig
+
     from dflash.io import atomic_path, load_safetensors
-    from dflash.target import load_target
-    from dflash.workflow import progress
+    from dflash.target import check_fast_kernels, load_target
+    from dflash.train import pick_device
+    from dflash.workflow import HIDDEN_FORMAT, progress
 
     rows = load_safetensors(tokenized_path, ("input_ids", "offsets"), "a tokenized shard")
     input_ids, offsets = rows["input_ids"], rows["offsets"]
-    model, _ = load_target(target_dir)
+    on = pick_device(device)
+    check_fast_kernels(AutoConfig.from_pretrained(target_dir), on, fast_kernels, log)  # before minutes of loading
+    model = load_target(target_dir, torch.bfloat16 if on.type == "cuda" else torch.float32)[0].to(on)
     check_token_ids(tokenized_path, input_ids, offsets, model.get_input_embeddings().weight.shape[0])
     layer_ids = resolve_layer_ids(layers, model.config.num_hidden_layers)
     hidden_size = model.config.hidden_size
     out = torch.empty((len(input_ids), len(layer_ids), hidden_size), dtype=DTYPES[dtype])
     fp8 = dtype == "float8_e4m3fn"
     scales = torch.empty((len(input_ids), len(layer_ids)), dtype=torch.float32) if fp8 else None
+    greedy = torch.empty(len(input_ids), dtype=torch.int32)
     t0 = time.time()
     for r in progress(range(len(offsets) - 1), desc=f"hidden {Path(tokenized_path).stem}", unit="row"):
         a, b = offsets[r].item(), offsets[r + 1].item()
-        _, feats = forward_features(model, input_ids[a:b].long().unsqueeze(0), layer_ids, logits=False)
+        feats, greedy[a:b] = features_and_greedy(model, input_ids[a:b].long().unsqueeze(0).to(on), layer_ids)
         if fp8:
-            out[a:b], scales[a:b] = to_fp8(feats[0])
+            out[a:b], scales[a:b] = to_fp8(feats.cpu())
         else:
-            out[a:b] = feats[0].to(out.dtype)
-    metadata = {"format": "dflash-hidden-v1", "target_layer_ids": json.dumps(list(layer_ids)),
+            out[a:b] = feats.to(out.dtype).cpu()
+    metadata = {"format": HIDDEN_FORMAT, "target_layer_ids": json.dumps(list(layer_ids)),
                 "hidden_size": str(hidden_size), "dtype": dtype, "model": Path(target_dir).name}
-    tensors = {"hidden_states": out, "input_ids": input_ids, "offsets": offsets, **({"scales": scales} if fp8 else {})}
+    tensors = {"hidden_states": out, "target_argmax": greedy, "input_ids": input_ids, "offsets": offsets,
+               **({"scales": scales} if fp8 else {})}
     with atomic_path(out_path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
     summary = {"rows": len(offsets) - 1, "tokens": len(input_ids), "layers": list(layer_ids),
-               "bytes": sum(t.numel() * t.element_size() for k, t in tensors.items() if k in ("hidden_states", "scales")),
+               "bytes": sum(t.numel() * t.element_size() for k, t in tensors.items()
+                            if k in ("hidden_states", "scales", "target_argmax")),
                "seconds": round(time.time() - t0, 2)}
     log.info("hidden %s: %s", Path(tokenized_path).name, summary)
     return summary

@@ -1,11 +1,13 @@
 """Train a DFlash drafter from tokenized shards and their cached target hidden states.
 
-Objective (SpecForge ``OnlineDFlashModel``): every step, each row gets up to ``num_anchors``
-random anchors ``a`` among the positions with ``loss_mask[a] and loss_mask[a + 1]``. The block
-at ``a`` is ``[input_ids[a], MASK x (B-1)]`` at positions ``a .. a+B-1``; it sees the fused
-target features of positions ``< a`` and predicts ``input_ids[a + k]`` for ``k = 1 .. B-1``
-through the target's frozen lm_head. Position ``k`` weighs
-``loss_mask[a + k] * (a + k < T) * exp(-(k - 1) / gamma)`` and ``loss = sum(w * CE) / sum(w)``.
+Each step, each row gets up to ``num_anchors`` random anchors ``a`` among the positions with
+``loss_mask[a] and loss_mask[a + 1]``. The block at ``a`` is ``[input_ids[a], MASK x (B-1)]`` at
+positions ``a .. a+B-1``; it sees the fused target features of positions ``< a`` and drafts the
+tokens at ``a+1 .. a+B-1`` through the target's frozen lm_head. The objective (``dflash.objective``,
+the math in its docstring): by default cross-entropy against the target's own greedy token at each
+slot, D-PACE position weights (each slot weighted, without gradient, by the acceptance length it can
+still add given the drafter's smoothed confidence up to it), summed and divided by the number of
+supervised slots in the step's global batch.
 
 ``cfg`` keys (the config's ``drafter`` and ``train`` sections merged; unknown keys are errors):
 
@@ -30,7 +32,11 @@ training
     weight_decay: float = 0.0             AdamW decay of the matrices (not norms)
     grad_clip: float | None = 1.0         max global grad norm; None = no clipping
     num_anchors: int = 512                blocks per row and step (fewer if the row has fewer)
-    loss_decay_gamma: float | None = 7.0  position weight exp(-(k-1)/gamma); None = uniform
+    loss: dict                            the objective (dflash.objective): ``weights`` "dpace" |
+                                          "decay", ``dpace_alpha`` 0.5, ``decay_gamma`` 7.0 (decay:
+                                          exp(-(k-1)/gamma), None = uniform), ``labels`` "target"
+                                          (the target's greedy tokens: from the cache's
+                                          ``target_argmax``, or the online target) | "data"
     seed: int = 0                         model init, row order and anchors
     log_every: int = 10                   steps per train_log.jsonl line
     save_every: int = 200                 steps per resume point (0: none); a re-run resumes
@@ -42,11 +48,15 @@ training
     prefetch: int = 2                     batches read and laid out ahead in a background thread
                                           (0 = none; "online" builds them in the loop)
     device: str = "auto"                  "auto" = cuda when available, else cpu
+    fast_kernels: str = "require"         ``target.fast_kernels``: online on CUDA, a hybrid target
+                                          without its linear-attention kernels stops the run
+                                          ("require") or only warns ("warn")
 
 Output directory (written under a temporary name, renamed when complete):
 ``config.json`` + ``model.safetensors`` (the drafter, reference layout), ``train_log.jsonl``
-(``step, loss, acc, lr, position_acc, expected_acceptance, tokens_per_s``, averaged since the previous line;
+(``step, loss, acc, lr, position_acc, position_weight, expected_acceptance, tokens_per_s``, averaged since the previous line;
 ``position_acc[k-1]`` is the top-1 accuracy at block position k, null if none was supervised;
+``position_weight[k-1]`` the mean loss weight there;
 ``tokens_per_s`` counts supervised block positions),
 ``trainer_state.json`` (``steps, first_loss, final_loss, seconds, cfg, data``).
 """
@@ -73,10 +83,12 @@ from typing import Any, TypeVar
 import torch
 from transformers import AutoConfig
 
-from dflash.hidden import cached_features, check_token_ids, forward_features
+from dflash.hidden import cached_features, check_token_ids, features_and_greedy, forward_features
+from dflash.objective import LABELS, WEIGHTS, block_labels, block_loss, supervision
 from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config, write_drafter_state
 from dflash.errors import RANK_ERRORS, first_rank_error, rank_error_recorded
 from dflash.io import atomic_dir, atomic_path, load_safetensors, open_safetensors, read_json, replace_problem
+from dflash.target import check_fast_kernels
 from dflash.workflow import CONSOLE_FD, job_console, progress
 
 REQUIRED = object()
@@ -99,7 +111,7 @@ DEFAULTS: dict[str, Any] = {
     "weight_decay": 0.0,
     "grad_clip": 1.0,
     "num_anchors": 512,
-    "loss_decay_gamma": 7.0,
+    "loss": {"weights": "dpace", "dpace_alpha": 0.5, "decay_gamma": 7.0, "labels": "target"},
     "seed": 0,
     "log_every": 10,
     "save_every": 200,
@@ -108,6 +120,7 @@ DEFAULTS: dict[str, Any] = {
     "loss_chunk_tokens": 2048,
     "prefetch": 2,
     "device": "auto",
+    "fast_kernels": "require",
 }
 ARCH_KEYS = ("num_layers", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "block_size",
              "mask_token_id", "target_layer_ids", "layer_types", "sliding_window")
@@ -121,6 +134,13 @@ def resolve_cfg(cfg: dict) -> dict:
     if unknown:
         raise ValueError(f"unknown drafter/train settings: {unknown}")
     merged = {**DEFAULTS, **cfg}
+    merged["loss"] = {**DEFAULTS["loss"], **(cfg.get("loss") or {})}
+    if unknown := sorted(set(merged["loss"]) - set(DEFAULTS["loss"])):
+        raise ValueError(f"unknown train.loss settings: {unknown}")
+    if merged["loss"]["weights"] not in WEIGHTS or merged["loss"]["labels"] not in LABELS:
+        raise ValueError(f"train.loss.weights must be one of {WEIGHTS} and train.loss.labels one of {LABELS}")
+    if not 0 < merged["loss"]["dpace_alpha"] <= 1:
+        raise ValueError("train.loss.dpace_alpha must be in (0, 1]")
     missing = [k for k, v in merged.items() if v is REQUIRED]
     if missing:
         raise ValueError(f"missing required drafter/train settings: {missing}")
@@ -151,16 +171,18 @@ class Row:
 
 
 class ShardData:
-    """Rows of the tokenized shards, with their hidden states read lazily per row from the cache,
-    or (``online``: the frozen target) computed per row when it is drawn."""
+    """Rows of the tokenized shards, with their hidden states (and, for ``greedy``, the target's
+    greedy tokens) read lazily per row from the cache, or (``online``: the frozen target) computed
+    per row when it is drawn."""
 
     def __init__(self, tokenized: list[Path], hidden: list[Path] | None, target_layer_ids: list[int],
-                 hidden_size: int, target_name: str, log: logging.Logger, online: torch.nn.Module | None = None):
+                 hidden_size: int, target_name: str, log: logging.Logger, online: torch.nn.Module | None = None,
+                 greedy: bool = False):
         if hidden is None:
             hidden = [None] * len(tokenized)
         if len(tokenized) != len(hidden):
             raise ValueError(f"{len(tokenized)} tokenized shards but {len(hidden)} hidden shards")
-        self.online, self.layer_ids = online, list(target_layer_ids)
+        self.online, self.layer_ids, self.greedy = online, list(target_layer_ids), greedy
         self._files = ExitStack()
         self.handles = []
         self.rows: list[Row] = []
@@ -228,13 +250,23 @@ class ShardData:
             raise ValueError(f"{hid_path}: row offsets differ from {tok_path}")
         if not torch.equal(f.get_tensor("input_ids").long(), input_ids) or shape[0] != len(input_ids):
             raise ValueError(f"{hid_path}: input_ids differ from {tok_path}")
+        if self.greedy and "target_argmax" not in f.keys():
+            raise ValueError(f"{hid_path}: a hidden-state cache without the target's greedy tokens (target_argmax), "
+                             f"which train.loss.labels: target trains on: re-run the hidden stage with this version "
+                             f"(`snakemake --forcerun hidden`), or set train.loss.labels: data")
         return f
 
-    def features(self, row: Row) -> torch.Tensor:
+    def target_outputs(self, row: Row) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(features [T, k, H], the target's greedy token after each position [T] or None)."""
         if self.online is not None:
-            device = next(self.online.parameters()).device
-            return forward_features(self.online, row.input_ids[None].to(device), self.layer_ids, logits=False)[1][0]
-        return cached_features(self.handles[row.shard], row.start, row.end)
+            ids = row.input_ids[None].to(next(self.online.parameters()).device)
+            if self.greedy:
+                features, greedy = features_and_greedy(self.online, ids, self.layer_ids)
+                return features, greedy.cpu()  # laid out with the row's CPU positions
+            return forward_features(self.online, ids, self.layer_ids, logits=False)[1][0], None
+        handle = self.handles[row.shard]
+        greedy = handle.get_slice("target_argmax")[row.start:row.end] if self.greedy else None
+        return cached_features(handle, row.start, row.end), greedy
 
     def close(self) -> None:
         self._files.close()
@@ -285,7 +317,7 @@ class Batch:
     block_ids: torch.Tensor       # [R, N*B] anchor token then MASKs
     block_pos: torch.Tensor       # [R, N*B] absolute positions
     labels: torch.Tensor          # [R, N*B]
-    weights: torch.Tensor         # [R, N*B] 0 = not supervised (slot 0, padding, masked label)
+    supervised: torch.Tensor      # [R, N*B] bool: False for slot 0, padding, labels outside the completion
     context: torch.Tensor         # [R, T, k, H]
     context_pos: torch.Tensor     # [R, T]
     context_valid: torch.Tensor   # [R, T]
@@ -327,108 +359,40 @@ def prefetched(build: Callable[[], T], count: int, ahead: int) -> Iterator[T]:
 
 
 def make_batch(rows: list[Row], features: list[torch.Tensor], anchors: list[torch.Tensor],
-               block_size: int, mask_token_id: int, gamma: float | None) -> Batch:
+               block_size: int, mask_token_id: int, greedy: list[torch.Tensor] | None = None) -> Batch:
     """Lay out each row's blocks one after another and pad rows to a common shape; padded
-    blocks keep well-formed positions but zero weight."""
+    blocks keep well-formed positions but are not supervised. ``greedy``: per row, the target's
+    greedy tokens to label with (``block_labels``); None: the data's tokens."""
     R, B = len(rows), block_size
     N = max(len(a) for a in anchors)
     T = max(len(r.input_ids) for r in rows)
     k = torch.arange(B)
-    decay = torch.exp(-(k - 1).clamp(min=0) / gamma) if gamma else torch.ones(B)
 
     block_ids = torch.full((R, N, B), mask_token_id, dtype=torch.long)
     block_pos = k.repeat(R, N, 1)
     labels = torch.zeros((R, N, B), dtype=torch.long)
-    weights = torch.zeros((R, N, B))
+    supervised = torch.zeros((R, N, B), dtype=torch.bool)
     context = torch.zeros((R, T, *features[0].shape[1:]), dtype=torch.float32)
     context_valid = torch.zeros((R, T), dtype=torch.bool)
     for i, (row, feats, a) in enumerate(zip(rows, features, anchors)):
         n, length = len(a), len(row.input_ids)
         pos = a[:, None] + k                       # [n, B]
-        inside = pos < length
-        clamped = pos.clamp(max=length - 1)
         block_ids[i, :n, 0] = row.input_ids[a]
         block_pos[i, :n] = pos
-        labels[i, :n] = row.input_ids[clamped]
-        weights[i, :n] = (row.loss_mask[clamped] & inside) * decay
+        labels[i, :n] = block_labels(row.input_ids, None if greedy is None else greedy[i], pos)
+        supervised[i, :n] = supervision(row.loss_mask, pos)
         context[i, :length] = feats.float()
         context_valid[i, :length] = True
-    weights[:, :, 0] = 0  # slot 0 is the given anchor token, not a prediction
-    return Batch(block_ids.flatten(1), block_pos.flatten(1), labels.flatten(1), weights.flatten(1),
+    return Batch(block_ids.flatten(1), block_pos.flatten(1), labels.flatten(1), supervised.flatten(1),
                  context, torch.arange(T).repeat(R, 1), context_valid)
 
 
-def _logit_chunks(hidden: torch.Tensor, weight: torch.Tensor, chunk: int) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """``(start, end, fp32 logits of rows start:end)``, chunk after chunk, all in the same buffers:
-    one chunk of logits is alive at a time, and CPU runs do not fault in fresh pages per chunk.
-    Each chunk's logits are overwritten by the next, so callers may change them in place."""
-    rows = min(chunk, len(hidden))
-    raw = torch.empty(rows, len(weight), dtype=weight.dtype, device=hidden.device)
-    logits = raw if raw.dtype == torch.float32 else torch.empty(rows, len(weight), device=hidden.device)
-    for s in range(0, len(hidden), chunk):
-        e = min(s + chunk, len(hidden))
-        torch.mm(hidden[s:e].to(weight.dtype), weight.T, out=raw[:e - s])
-        if logits is not raw:
-            logits[:e - s].copy_(raw[:e - s])
-        yield s, e, logits[:e - s]
-
-
-class HeadCE(torch.autograd.Function):
-    """``(sum(weights * CE(hidden @ head.T, labels)), top-1 hit per row)`` through the frozen head,
-    ``chunk`` rows of logits at a time. Backward recomputes each chunk's logits instead of keeping
-    them: neither pass holds more than one chunk of fp32 logits (with bf16 autocast, their bf16
-    matmul output and, in backward, a bf16 copy of their gradient besides: two chunks' worth),
-    where the whole fp32 logits at 30k supervised positions x 248k vocabulary would be 30 GB, with
-    as much again for their gradient."""
-
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # Under autocast the head is cast once here, not once per chunk; the logits are the same
-        # bf16 matmul the unchunked lm_head gave, upcast to fp32 for the loss.
-        device = hidden.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.dtype
-        weight = head.to(dtype)
-        lse = torch.empty(len(labels), device=hidden.device)
-        hit = torch.empty(len(labels), dtype=torch.bool, device=hidden.device)
-        total = torch.zeros((), device=hidden.device)
-        for s, e, logits in _logit_chunks(hidden, weight, chunk):
-            top, arg = logits.max(-1)
-            hit[s:e] = arg == labels[s:e]
-            picked = logits.gather(1, labels[s:e, None]).squeeze(1)
-            lse[s:e] = logits.sub_(top[:, None]).exp_().sum(-1).log_() + top  # in place: no second buffer
-            total += (weights[s:e] * (lse[s:e] - picked)).sum()
-        ctx.save_for_backward(hidden, head, labels, weights, lse)
-        ctx.chunk, ctx.dtype = chunk, dtype
-        ctx.mark_non_differentiable(hit)
-        return total, hit
-
-    @staticmethod
-    def backward(ctx, grad_total: torch.Tensor, _grad_hit) -> tuple:
-        hidden, head, labels, weights, lse = ctx.saved_tensors
-        weight = head.to(ctx.dtype)
-        grad = torch.empty_like(hidden)
-        for s, e, probs in _logit_chunks(hidden, weight, ctx.chunk):
-            probs.sub_(lse[s:e, None]).exp_()  # softmax, from the forward's log-sum-exp
-            probs[torch.arange(e - s, device=probs.device), labels[s:e]] -= 1  # d CE / d logits = softmax - onehot
-            probs.mul_((weights[s:e] * grad_total)[:, None])
-            grad[s:e] = probs.to(ctx.dtype) @ weight
-        return grad, None, None, None, None  # the head, labels and weights are not trained
-
-
-def block_loss(model: torch.nn.Module, io: TargetIO, batch: Batch, B: int,
-               chunk_tokens: int = DEFAULTS["loss_chunk_tokens"]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weighted CE, correct top-1 per block position [B], supervised count per position [B]).
-    ``model`` may be wrapped (DDP, FSDP); ``B`` is its block size; the lm_head runs on
-    ``chunk_tokens`` positions at a time (HeadCE)."""
+def draft_loss(model: torch.nn.Module, io: TargetIO, batch: Batch, B: int, loss: dict, supervised: int | torch.Tensor,
+               world: int = 1, chunk_tokens: int = DEFAULTS["loss_chunk_tokens"]):
+    """The drafter's forward over a batch and its loss (``dflash.objective.block_loss``, whose
+    arguments these are). ``model`` may be wrapped (DDP, FSDP); ``B`` is its block size."""
     hidden = model(io.embed(batch.block_ids), batch.block_pos, batch.context, batch.context_pos, batch.context_valid)
-    R, L = batch.block_ids.shape
-    w = batch.weights.flatten()
-    sel = w > 0  # anchors and padding never reach the (vocabulary-sized) lm_head
-    total, hit = HeadCE.apply(hidden.flatten(0, 1)[sel], io.head_weight, batch.labels.flatten()[sel], w[sel],
-                              chunk_tokens)
-    slot = (torch.arange(L, device=w.device) % B).repeat(R)[sel]
-    return total / w[sel].sum(), torch.bincount(slot[hit], minlength=B), torch.bincount(slot, minlength=B)
+    return block_loss(hidden, io.head_weight, batch.labels, batch.supervised, B, loss, supervised, world, chunk_tokens)
 
 
 def lr_at(step: int, steps: int, lr: float, warmup_ratio: float, min_lr_ratio: float) -> float:
@@ -461,7 +425,7 @@ def resume_dir(out_dir: Path) -> Path:
 def run_fingerprint(cfg: dict, tokenized: list[Path], target_dir: Path) -> str:
     """What a resume point must match: the settings that shape the weights and the data (not
     where or how fast: a run that ran out of memory may resume with a smaller loss chunk)."""
-    how = ("device", "save_every", "parallel", "prefetch", "loss_chunk_tokens")
+    how = ("device", "save_every", "parallel", "prefetch", "loss_chunk_tokens", "fast_kernels")
     h = hashlib.sha256(json.dumps({k: v for k, v in cfg.items() if k not in how}, sort_keys=True).encode())
     h.update(Path(target_dir).name.encode())
     # the target's weights as this machine holds them (resume points never leave it): a target
@@ -583,6 +547,8 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
     generator = torch.Generator().manual_seed(cfg["seed"])
 
     target_config = AutoConfig.from_pretrained(target_dir).get_text_config()
+    if cfg["hidden_states"] == "online":  # the target runs here: stop now, not after minutes of loading
+        check_fast_kernels(target_config, device, cfg["fast_kernels"], log)
     arch = {k: cfg[k] for k in ARCH_KEYS}
     for key, target_key in _FROM_TARGET.items():
         if arch[key] is None:
@@ -609,7 +575,9 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
         online = load_target(target_dir, torch.bfloat16 if device.type == "cuda" else torch.float32)[0].to(device)
         online.requires_grad_(False)
         hidden = None
-    with ShardData(tokenized, hidden, layer_ids, target_config.hidden_size, target_dir.name, log, online) as data, \
+    greedy = cfg["loss"]["labels"] == "target"
+    with ShardData(tokenized, hidden, layer_ids, target_config.hidden_size, target_dir.name, log, online,
+                   greedy) as data, \
             ExitStack() as outputs:
         log.info("data: %s", data.summary)
         rows = RowOrder(len(data.rows), generator)
@@ -634,20 +602,24 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
         pin = device.type == "cuda"  # page-locked, so the copy to the GPU can run without blocking the loop
         pin_device = torch.cuda.current_device() if pin else None
 
-        def next_batch() -> tuple[Batch, dict]:
-            """The next step's batch, and the draw state a resume point after that step stores
+        def next_batch() -> tuple[Batch, int, dict]:
+            """The next step's batch, the supervised slots of the global batch (the loss's
+            denominator on every rank), and the draw state a resume point after that step stores
             (the prefetch thread has drawn further by then)."""
             # all ranks draw the whole global batch, so their generators stay equal; each trains its slice
             batch_rows = [data.rows[next(rows)] for _ in range(per_rank * dist.world)]
             anchors = [sample_anchors(r.loss_mask, cfg["num_anchors"], generator) for r in batch_rows]
             draws = {"generator": generator.get_state(), "rows": rows.state_dict()}
-            batch = make_batch(batch_rows[mine], [data.features(r) for r in batch_rows[mine]], anchors[mine], B,
-                               config.dflash_config["mask_token_id"], cfg["loss_decay_gamma"])
+            supervised = sum(int(supervision(r.loss_mask, a[:, None] + torch.arange(B)).sum())
+                             for r, a in zip(batch_rows, anchors))
+            outputs = [data.target_outputs(r) for r in batch_rows[mine]]
+            batch = make_batch(batch_rows[mine], [f for f, _ in outputs], anchors[mine], B,
+                               config.dflash_config["mask_token_id"], [g for _, g in outputs] if greedy else None)
             if pin:
                 # a new thread's current device is GPU 0: pinning there would open a context on it from every rank
                 torch.cuda.set_device(pin_device)
                 batch = batch.pin_memory()
-            return batch, draws
+            return batch, supervised, draws
 
         # online features are the target's forward on this device: in a second thread it would only
         # queue behind the training step's kernels and contend for the GIL, so it runs in the loop
@@ -655,28 +627,31 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
         batches = outputs.enter_context(closing(prefetched(next_batch, steps - step0, ahead)))
         bar = progress(range(step0, steps), desc="train drafter", unit="step", initial=step0, total=steps,
                        disable=not main)  # one bar, one console story, for all ranks
-        for step, (batch, draws) in zip(bar, batches):
+        for step, (batch, supervised, draws) in zip(bar, batches):
             batch = batch.to(device, non_blocking=pin)
             lr = lr_at(step, steps, cfg["lr"], cfg["warmup_ratio"], cfg["min_lr_ratio"])
             for group in optimizer.param_groups:
                 group["lr"] = lr
 
             with autocast:
-                loss, correct, count = block_loss(model, io, batch, B, cfg["loss_chunk_tokens"])
+                loss, parts = draft_loss(model, io, batch, B, cfg["loss"], supervised, dist.world,
+                                         cfg["loss_chunk_tokens"])
             loss.backward()
             if cfg["grad_clip"]:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-            loss_sum, correct, count = dist.sum(loss.detach().float().reshape(1), correct, count)
-            mean_loss = loss_sum.item() / dist.world
+            weighted, correct, count, weight = dist.sum(parts.weighted_ce.float().reshape(1), parts.correct,
+                                                        parts.count, parts.weight)
+            step_loss = weighted.item() / supervised  # the global batch's loss, as one process has it
             if step == 0:
-                first_loss = mean_loss
-            window["loss"] += mean_loss
+                first_loss = step_loss
+            window["loss"] += step_loss
             window["steps"] += 1
             window["correct"] += correct.cpu()
             window["count"] += count.cpu()
+            window["weight"] += weight.cpu()
             if (step + 1) % cfg["log_every"] == 0 or step + 1 == steps:
                 final_loss = window["loss"] / window["steps"]
                 record = log_record(step + 1, final_loss, lr, window)
@@ -720,7 +695,7 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
 def new_window(block_size: int) -> dict:
     """Running sums between two train_log lines."""
     return {"loss": 0.0, "steps": 0, "correct": torch.zeros(block_size), "count": torch.zeros(block_size),
-            "t0": time.time()}
+            "weight": torch.zeros(block_size), "t0": time.time()}
 
 
 def expected_acceptance(position_acc: list[float | None]) -> float:
@@ -736,12 +711,14 @@ def expected_acceptance(position_acc: list[float | None]) -> float:
 def log_record(step: int, loss: float, lr: float, window: dict) -> dict:
     correct, count = window["correct"][1:], window["count"][1:]
     position_acc = [(c / n).item() if n > 0 else None for c, n in zip(correct, count)]
+    position_weight = [(w / n).item() if n > 0 else None for w, n in zip(window["weight"][1:], count)]
     return {
         "step": step,
         "loss": loss,
         "acc": (correct.sum() / count.sum().clamp(min=1)).item(),
         "lr": lr,
         "position_acc": position_acc,
+        "position_weight": position_weight,
         "expected_acceptance": expected_acceptance(position_acc),
         "tokens_per_s": count.sum().item() / max(time.time() - window["t0"], 1e-9),
     }

@@ -111,6 +111,11 @@ def set_threads(n: int) -> None:
     os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, int(n))))
 
 
+# What a hidden-state shard holds (features, and since v2 the target's greedy token per token). The
+# hidden rule's params carry it, so a cache of an older format is made again.
+HIDDEN_FORMAT = "dflash-hidden-v2"
+
+
 def layer_selection(drafter_cfg: dict) -> dict:
     """What decides the captured target layers, and nothing else: a rule param that changes
     only when the hidden-state cache really has to be rebuilt."""

@@ -11,6 +11,7 @@ rule hidden:
     params:
         layers=layer_selection(config["drafter"]),
         dtype=config["hidden"]["dtype"],
+        cache_format=HIDDEN_FORMAT,
     threads: 1
     resources:
         gpu=1,

@@ -6,6 +6,7 @@ from dflash.train import train, train_processes  # noqa: E402
 
 i = snakemake.input
 cfg = drafter_train_cfg({"drafter": snakemake.params.drafter, "train": snakemake.params.train}, i.target)
+cfg["fast_kernels"] = snakemake.config["target"]["fast_kernels"]  # not a param: it changes no result
 gpus = snakemake.params.train["gpus"]
 if gpus == 1:
     train(list(i.tokenized), list(i.hidden) or None, i.target, snakemake.output[0], cfg)

@@ -57,7 +57,12 @@ def test_capture_shard(tmp_path, target, target_dir):
     with safe_open(str(tmp_path / "h.safetensors"), "pt") as f:
         meta = f.metadata()
     assert json.loads(meta["target_layer_ids"]) == [1, 3] and meta["hidden_size"] == str(model.config.hidden_size)
-    assert summary["rows"] == 2 and summary["bytes"] == h["hidden_states"].numel() * 2
+    assert meta["format"] == "dflash-hidden-v2"
+    # the target's greedy next token after every position: the labels of train.loss.labels: target
+    logits, _ = forward_features(model, rows["input_ids"][off[1]:off[2]].long().unsqueeze(0), [1, 3])
+    assert h["target_argmax"].dtype == torch.int32
+    assert torch.equal(h["target_argmax"][off[1]:off[2]].long(), logits[0].argmax(-1))
+    assert summary["rows"] == 2 and summary["bytes"] == h["hidden_states"].numel() * 2 + 4 * len(rows["input_ids"])
 
 
 def test_fp8_cache_keeps_per_token_scales(tmp_path, target, target_dir):
@@ -76,11 +81,12 @@ def test_fp8_cache_keeps_per_token_scales(tmp_path, target, target_dir):
     err = (restored - exact).abs() / exact.abs().amax(dim=-1, keepdim=True)
     assert err.max() <= 1 / 16 and restored.dtype == torch.float32
     expected = cache_bytes(len(rows["input_ids"]), 2, model.config.hidden_size, "float8_e4m3fn")
-    assert summary["bytes"] == raw.numel() + 4 * scales.numel() == expected
+    assert summary["bytes"] == raw.numel() + 4 * scales.numel() + 4 * len(rows["input_ids"]) == expected
 
 
 def test_cache_size_of_the_real_run(tmp_path, capsys):
-    """The planning figure of DESIGN.md: 1.64e9 tokens x 5 layers x 5120 x 2 B for Qwen3.6-27B."""
+    """The planning figure of DESIGN.md: 1.64e9 tokens x 5 layers x 5120 x 2 B for Qwen3.6-27B, and
+    4 B per token for the target's greedy token."""
     from dflash.cli import main
 
     (tmp_path / "q36").mkdir()
@@ -93,7 +99,7 @@ def test_cache_size_of_the_real_run(tmp_path, capsys):
     assert main(["cache-size", "--config", str(tmp_path / "c.yaml"), "--tokens", "1.64e9",
                  "--target", str(tmp_path / "q36")]) == 0
     out = capsys.readouterr().out
-    assert "1.64e+09 tokens x 5 layers x 5120 x 2 B = 84.0 TB" in out
+    assert "1.64e+09 tokens x (5 layers x 5120 x 2 B + 4 B greedy token) = 84.0 TB" in out
     assert "above hidden.max_cache_bytes (20.0 TB)" in out and "train.hidden_states: online" in out
     # its config.json alone will do; a hub name not on this machine is one line, offline
     assert main(["cache-size", "--config", str(tmp_path / "c.yaml"), "--tokens", "1.64e9",

@@ -15,9 +15,10 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 import dflash.train
 from dflash.drafter import TargetIO, load_drafter
-from dflash.hidden import forward_features
+from dflash.hidden import features_and_greedy
 from dflash.io import OUTPUT_MARK
-from dflash.train import (HeadCE, Row, anchor_candidates, block_loss, lr_at, make_batch, resolve_cfg, sample_anchors,
+from dflash.objective import HeadCE
+from dflash.train import (Row, anchor_candidates, draft_loss, lr_at, make_batch, resolve_cfg, sample_anchors,
                           train)
 from tests.test_drafter import reference  # noqa: F401 (fixture)
 
@@ -27,7 +28,7 @@ MASK_ID = 7
 TRAIN_CFG = {"num_layers": 2, "intermediate_size": 128, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
              "block_size": 4, "mask_token_id": MASK_ID, "target_layer_ids": LAYER_IDS, "layer_types": None,
              "steps": 150, "batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.04, "min_lr_ratio": 0.1,
-             "weight_decay": 0.0, "grad_clip": 1.0, "num_anchors": 16, "loss_decay_gamma": 7.0, "seed": 0,
+             "weight_decay": 0.0, "grad_clip": 1.0, "num_anchors": 16, "seed": 0,
              "log_every": 10, "device": "cpu"}
 
 
@@ -61,8 +62,9 @@ def write_shards(target, out: Path, rows: list[tuple[list[int], list[int]]], lay
     meta_rows = [{"id": f"r{i}", "category": "chat", "length": len(r), "trainable": sum(m)}
                  for i, (r, m) in enumerate(rows)]
     tok_path.with_suffix(".json").write_text(json.dumps({"rows": meta_rows}))
-    feats = [forward_features(target, torch.tensor([r]), layer_ids, logits=False)[1][0] for r, _ in rows]
-    save_file({"hidden_states": torch.cat(feats).to(dtype), "offsets": offsets, "input_ids": ids},
+    outputs = [features_and_greedy(target, torch.tensor([r]), layer_ids) for r, _ in rows]
+    save_file({"hidden_states": torch.cat([f for f, _ in outputs]).to(dtype),
+               "target_argmax": torch.cat([g for _, g in outputs]), "offsets": offsets, "input_ids": ids},
               hid_path, metadata={"target_layer_ids": json.dumps(layer_ids), "hidden_size": "64", "model": "target"})
     return tok_path, hid_path
 
@@ -98,28 +100,31 @@ def test_anchors_need_two_supervised_tokens():
     assert sample_anchors(mask, 10, g).tolist() == [1, 2, 5]
 
 
-def test_make_batch_labels_and_weights():
+def test_make_batch_labels_and_supervision():
     ids = torch.arange(100, 110)
     mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 1, 1, 1], dtype=torch.bool)
     rows = [Row(0, 0, 10, ids, mask), Row(0, 10, 13, ids[:3], torch.tensor([1, 1, 0], dtype=torch.bool))]
     feats = [torch.randn(10, 2, 8), torch.randn(3, 2, 8)]
-    gamma = 7.0
-    batch = make_batch(rows, feats, [torch.tensor([2, 7]), torch.tensor([0])], 4, MASK_ID, gamma)
+    anchors = [torch.tensor([2, 7]), torch.tensor([0])]
+    batch = make_batch(rows, feats, anchors, 4, MASK_ID)
 
-    assert batch.block_ids.shape == batch.block_pos.shape == batch.weights.shape == (2, 8)
+    assert batch.block_ids.shape == batch.block_pos.shape == batch.supervised.shape == (2, 8)
     assert batch.block_ids[0].tolist() == [102] + [MASK_ID] * 3 + [107] + [MASK_ID] * 3
     assert batch.block_pos[0].tolist() == [2, 3, 4, 5, 7, 8, 9, 10]
-    assert batch.labels[0, :4].tolist() == [102, 103, 104, 105]
-    decay = [math.exp(-(k - 1) / gamma) for k in range(1, 4)]
-    # anchor 2: slot 0 unweighted, label 104 is unsupervised (mask[4] = 0)
-    assert batch.weights[0, :4].tolist() == pytest.approx([0, decay[0], 0, decay[2]])
-    # anchor 7: position 10 is past the row's end
-    assert batch.weights[0, 4:].tolist() == pytest.approx([0, decay[0], decay[1], 0])
-    # the short row has one real block and one padding block with no weight
-    assert batch.weights[1].tolist() == pytest.approx([0, decay[0], 0, 0, 0, 0, 0, 0])
+    assert batch.labels[0, :4].tolist() == [102, 103, 104, 105]  # the data's tokens
+    # anchor 2: slot 0 is given, label 104 is unsupervised (mask[4] = 0); anchor 7: position 10 is past the end
+    assert batch.supervised[0].tolist() == [False, True, False, True, False, True, True, False]
+    # the short row has one real block and one padding block, unsupervised
+    assert batch.supervised[1].tolist() == [False, True] + [False] * 6
     assert batch.context.shape == (2, 10, 2, 8)
     assert batch.context_valid.sum(1).tolist() == [10, 3]
     torch.testing.assert_close(batch.context[1, :3], feats[1])
+
+    # the target's labels: its greedy token after reading up to the position before each slot
+    greedy = [torch.arange(500, 510, dtype=torch.int32), torch.arange(600, 603, dtype=torch.int32)]
+    batch = make_batch(rows, feats, anchors, 4, MASK_ID, greedy)
+    assert batch.labels[0, 1:4].tolist() == [502, 503, 504] and batch.labels[0, 5:7].tolist() == [507, 508]
+    assert batch.labels[1, 1].item() == 600
 
 
 def test_lr_schedule():
@@ -164,16 +169,20 @@ class _Drafter(torch.nn.Module):
         return self.proj(embeds)
 
 
+LOSS = {"weights": "decay", "decay_gamma": 7.0, "dpace_alpha": 0.5}
+
+
 def _whole_block_loss(model, io, batch, B):
-    """block_loss before chunking: the fp32 logits of every supervised position at once."""
+    """draft_loss before chunking: the fp32 logits of every supervised position at once, decay
+    weights, divided by the supervised slots."""
     hidden = model(io.embed(batch.block_ids))
     R, L = batch.block_ids.shape
-    w = batch.weights.flatten()
-    sel = w > 0
+    sel = batch.supervised.flatten()
+    slot = (torch.arange(L) % B).repeat(R)[sel]
+    w = torch.exp(-(slot - 1) / LOSS["decay_gamma"])
     logits = io.logits(hidden.flatten(0, 1)[sel]).float()
     labels = batch.labels.flatten()[sel]
-    loss = (torch.nn.functional.cross_entropy(logits, labels, reduction="none") * w[sel]).sum() / w[sel].sum()
-    slot = (torch.arange(L) % B).repeat(R)[sel]
+    loss = (torch.nn.functional.cross_entropy(logits, labels, reduction="none") * w).sum() / sel.sum()
     hit = logits.argmax(-1) == labels
     return loss, torch.bincount(slot[hit], minlength=B), torch.bincount(slot, minlength=B)
 
@@ -190,7 +199,7 @@ def test_chunked_loss_equals_whole_logits_at_the_real_vocabulary():
         mask[:20] = False
         rows.append(Row(0, 0, length, torch.randint(0, V, (length,), generator=g), mask))
         anchors.append(sample_anchors(mask, 20, g))
-    batch = make_batch(rows, [torch.zeros(len(r.input_ids), 1, H) for r in rows], anchors, B, 0, 7.0)
+    batch = make_batch(rows, [torch.zeros(len(r.input_ids), 1, H) for r in rows], anchors, B, 0)
     embed = torch.randn(V, H, generator=g)
     embed[0] *= 3  # the mask token (id 0): its own logit beats the others'
     io = TargetIO(embed, embed * 0.5)
@@ -206,10 +215,10 @@ def test_chunked_loss_equals_whole_logits_at_the_real_vocabulary():
     model.zero_grad()
     supervised = int(expected[2].sum())
     assert supervised > 500 and supervised % 96 and 0 < int(expected[1].sum()) < supervised
-    loss, correct, count = block_loss(model, io, batch, B, chunk_tokens=96)
+    loss, parts = draft_loss(model, io, batch, B, LOSS, supervised, chunk_tokens=96)
     loss.backward()
     torch.testing.assert_close(loss, expected[0])
-    assert torch.equal(correct, expected[1]) and torch.equal(count, expected[2])
+    assert torch.equal(parts.correct, expected[1]) and torch.equal(parts.count, expected[2])
     for p, grad in zip(model.parameters(), expected_grads):
         torch.testing.assert_close(p.grad, grad)
 
@@ -228,7 +237,8 @@ def test_chunked_loss_under_bf16_autocast_matches_and_stays_float32():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             hidden = proj(x)
             if chunked:
-                total, hit = HeadCE.apply(hidden, head, labels, weights, 64)
+                ce, hit = HeadCE.apply(hidden, head, labels, 64)
+                total = (ce * weights).sum()
             else:
                 logits = torch.nn.functional.linear(hidden, head).float()
                 total = (torch.nn.functional.cross_entropy(logits, labels, reduction="none") * weights).sum()
@@ -248,7 +258,7 @@ def test_chunked_loss_under_bf16_autocast_matches_and_stays_float32():
 # writing 5 to /proc/self/clear_refs) minus the resident size before is what the loss added.
 _PEAK_PROBE = """
 import json, sys, torch
-from dflash.train import HeadCE
+from dflash.objective import block_loss
 torch.set_num_threads(1)
 
 def status(key):
@@ -267,8 +277,11 @@ hidden = torch.randn(N, H, generator=g, requires_grad=True)
 head = torch.randn(V, H, generator=g)
 labels, weights = torch.randint(0, V, (N,), generator=g), torch.rand(N, generator=g)
 
-def chunked():
-    HeadCE.apply(hidden, head, labels, weights, chunk)[0].backward()
+def chunked():  # the whole objective, D-PACE weights and all (they need every slot's CE first)
+    m = torch.ones(1, N, dtype=torch.bool)
+    loss, _ = block_loss(hidden[None], head, labels[None], m, 16, {"weights": "dpace", "dpace_alpha": 0.5}, N,
+                         chunk_tokens=chunk)
+    loss.backward()
 
 def whole():
     logits = torch.nn.functional.linear(hidden[:small], head).float()
@@ -280,8 +293,8 @@ print(json.dumps({"chunked": peak(chunked), "whole": peak(whole)}))
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak-RSS reset")
 def test_chunked_loss_memory_is_bounded_by_the_chunk(record_property):
-    """2,048 supervised positions at the real vocabulary: forward + backward stay within about one
-    chunk of fp32 logits (the bound loss_chunk_tokens promises), where the whole-logits loss needs
+    """2,048 supervised positions at the real vocabulary, D-PACE weighted: forward + backward stay
+    within about one chunk of fp32 logits (the bound loss_chunk_tokens promises), where the whole-logits loss needs
     several times its N x V logits: measured at 256 positions it is already past the bound, and
     at 2,048 its logits alone would be 2 GB."""
     V, H, N, small, chunk = QWEN36_VOCAB, 16, 2048, 256, 128
@@ -311,7 +324,8 @@ def test_train_overfits_and_writes_checkpoint(tiny_target_dir, shards, tmp_path)
 
     lines = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(10, 151, 10))
-    assert set(lines[0]) == {"step", "loss", "acc", "lr", "position_acc", "expected_acceptance", "tokens_per_s"}
+    assert set(lines[0]) == {"step", "loss", "acc", "lr", "position_acc", "position_weight", "expected_acceptance",
+                             "tokens_per_s"}
     acc = lines[-1]["position_acc"]
     assert lines[-1]["expected_acceptance"] == pytest.approx(1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2])
     assert len(lines[-1]["position_acc"]) == 3 and lines[-1]["acc"] > 0.9 > lines[0]["acc"]
@@ -381,7 +395,17 @@ def test_mismatched_shards_are_named(tiny_target_dir, shards, tmp_path):
 
     with pytest.raises(ValueError, match="target_layer_ids"):
         train([tok], [hid], tiny_target_dir, tmp_path / "out", {**cfg, "target_layer_ids": None})  # 4 layers, 2 drafts
+
+    # a cache from before the greedy tokens: labels target needs them, labels data does not
+    old = load_file(hid)
+    del old["target_argmax"]
+    save_file(old, tmp_path / "v1.safetensors", metadata={"target_layer_ids": json.dumps(LAYER_IDS)})
+    with pytest.raises(ValueError, match=r"v1\.safetensors: a hidden-state cache without the target's greedy tokens "
+                                         r".*re-run the hidden stage"):
+        train([tok], [tmp_path / "v1.safetensors"], tiny_target_dir, tmp_path / "out", cfg)
     assert not (tmp_path / "out").exists()
+    train([tok], [tmp_path / "v1.safetensors"], tiny_target_dir, tmp_path / "out",
+          {**cfg, "loss": {"labels": "data"}})
 
 
 def test_online_hidden_states_train_like_a_float32_cache(tiny_target_dir, tmp_path):

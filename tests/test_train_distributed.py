@@ -34,7 +34,11 @@ def weights(path):
 
 
 @pytest.mark.slow
-def test_ddp_and_fsdp_train_the_same_drafter(tiny_target_dir, shards, tmp_path):  # noqa: F811
+def test_ddp_and_fsdp_train_the_drafter_one_process_trains_on_the_global_batch(tiny_target_dir, shards,  # noqa: F811
+                                                                                tmp_path):
+    """The loss's denominator is the global batch's supervised slots on every rank, so two ranks
+    of 4 rows make the update one process makes on those 8 rows, however the rows' supervised
+    slots fall on the ranks (the rows here differ in length, so the ranks' counts differ)."""
     cfg = {**TRAIN_CFG, "steps": 20, "log_every": 5}
     for parallel in ("ddp", "fsdp"):
         out = torchrun(shards, tiny_target_dir, tmp_path / parallel, {**cfg, "parallel": parallel})
@@ -42,9 +46,18 @@ def test_ddp_and_fsdp_train_the_same_drafter(tiny_target_dir, shards, tmp_path):
         state = json.loads((tmp_path / parallel / "trainer_state.json").read_text())
         assert state["processes"] == 2 and state["final_loss"] < state["first_loss"]
         load_drafter(tmp_path / parallel)  # a complete checkpoint in the reference layout
-    ddp, fsdp = weights(tmp_path / "ddp"), weights(tmp_path / "fsdp")
-    assert ddp.keys() == fsdp.keys()
+    one = subprocess.run([sys.executable, "-m", "dflash.train", "--cfg",
+                          json.dumps({**cfg, "batch_size": 2 * cfg["batch_size"]}), "--tokenized", str(shards[0]),
+                          "--hidden", str(shards[1]), "--target", str(tiny_target_dir), "--out", str(tmp_path / "one")],
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    ddp, fsdp, single = weights(tmp_path / "ddp"), weights(tmp_path / "fsdp"), weights(tmp_path / "one")
+    assert ddp.keys() == fsdp.keys() == single.keys()
     assert max((ddp[k] - fsdp[k]).abs().max().item() for k in ddp) < 1e-5
+    assert max((ddp[k] - single[k]).abs().max().item() for k in ddp) < 1e-5
+    logs = [[json.loads(line)["loss"] for line in (tmp_path / d / "train_log.jsonl").read_text().splitlines()]
+            for d in ("ddp", "one")]
+    assert logs[0] == pytest.approx(logs[1], rel=1e-5)
 
 
 @pytest.mark.slow
