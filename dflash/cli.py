@@ -187,6 +187,19 @@ def _safe_to_destroy(cfg, a):
         raise SystemExit(verdict)
 
 
+def _serve_command(cfg, a):
+    from dflash.serving import serve_commands
+    from dflash.workflow import target_dir
+
+    commands = serve_commands(a.checkpoint, str(a.target or target_dir(cfg)), cfg["generate"]["enable_thinking"])
+    print(f"# vLLM\n{commands['vllm']}")
+    if commands["vllm_cpu"]:
+        print(f"# vLLM's CPU build\n{commands['vllm_cpu']}")
+    print(f"# SGLang (GPU)\n{commands['sglang']}")
+    for note in commands["notes"]:
+        print(f"# note: {note}")
+
+
 # What each command reads and writes: an output that is also an input, or another output
 # (validate --validated X --rejected X), would overwrite records with others.
 READS_WRITES = {
@@ -293,6 +306,9 @@ def parser() -> argparse.ArgumentParser:
           ("--pilot", {"type": Path, "help": "the pilot's summary (default: <output_dir>/pilot/summary.json if there)"}),
           ("--target", {"type": Path, "help": "target model folder, to size the hidden-state cache (default: the config's)"}),
           ("--json", {"type": Path, "help": "also write the plan as JSON here"}))
+    stage("serve-command", _serve_command, "the vLLM and SGLang commands that serve the target with a trained drafter",
+          ("checkpoint", {"type": Path, "help": "the drafter checkpoint folder (results/checkpoints/<run>)"}),
+          ("--target", {"type": Path, "help": "target model folder or name (default: the config's)"}))
     stage("safe-to-destroy", _safe_to_destroy, "is every output of this machine in the storage? (exit 0: yes)",
           ("--prefix", {"help": "the run's --default-storage-prefix, e.g. s3://bucket/run (none: a run "
                                 "without storage, whose every output here is at risk)"}),

@@ -15,9 +15,14 @@ the accepted positions alone (:class:`CachedTarget`). The reference (``dflash`` 
 keys, values and convolution states, so on a hybrid target it goes on from a state that has seen
 the rejected tokens, and its later tokens are not the target's greedy ones.
 
-``acceptance_length`` is tokens per target forward, the prefill forward (which yields the first
-token) included: 1.0 without a drafter. The reference's tau leaves the prefill out, so on short
-outputs it reads slightly higher.
+Two figures, both reported overall and per category:
+
+- ``acceptance_length``: tokens per target forward, the prefill forward (which yields the first
+  token) included; 1.0 without a drafter. What the drafter saves in target forwards.
+- ``acceptance_length_per_step``: 1 + accepted draft tokens / verify steps that drafted, the
+  prefill left out: the figure vLLM reports as "mean acceptance length" (``vllm:spec_decode_*``
+  counters, ``metrics.speculative_decoding``) and the papers as tau. It reads higher than the
+  first, most on short outputs. Compare published figures with this one.
 
 ``cfg`` keys:
     max_new_tokens: int = 96     tokens generated per prompt at most
@@ -27,13 +32,30 @@ outputs it reads slightly higher.
     seed: int = 0                initialisation of the untrained (``init_only``) drafter
     fast_kernels: str = "require"  ``target.fast_kernels``: a hybrid target on CUDA without its
                                  linear-attention kernels stops the job ("require") or only warns ("warn")
+    engine: str = "transformers"  "vllm": decode through a vLLM server instead (see below)
+    vllm: dict                   with engine vllm: ``command`` (placeholders {model}, {host}, {port},
+                                 {served_model_name}, {speculative_config}), ``env``,
+                                 ``startup_timeout_s``, ``concurrency`` (requests in flight)
+
+With ``engine: vllm`` the job measures what the serving engine sees: it starts a vLLM server with
+the trained drafter (``--speculative-config``, ``num_speculative_tokens`` = block size - 1), then one
+with the untrained drafter, sends every held-out prompt as the same token ids, greedy, and reads
+each request's own verify steps from vLLM's per-request spec-decode metrics. The target is not
+loaded here (on a GPU the server needs its memory). Tokens per target forward are then counted
+as tokens / (1 + verify steps): with a drafter vLLM drafts at every decode step. vLLM's CPU build
+serves full-attention targets only: hybrid ones need a GPU.
 """
 from __future__ import annotations
 
+import json
 import logging
 import sys
+import tempfile
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import AutoConfig, DynamicCache, PreTrainedModel, Qwen3Config
@@ -45,7 +67,13 @@ from dflash.target import check_fast_kernels, target_model
 from dflash.train import pick_device
 from dflash.workflow import progress
 
-DEFAULTS = {"max_new_tokens": 96, "block_size": None, "device": "auto", "seed": 0, "fast_kernels": "require"}
+VLLM_COMMAND = ("vllm serve {model} --host {host} --port {port} --served-model-name {served_model_name} "
+                "--speculative-config {speculative_config} --per-request-spec-decode-metrics detailed "
+                "--generation-config vllm --no-enable-prefix-caching")
+DEFAULTS = {"max_new_tokens": 96, "block_size": None, "device": "auto", "seed": 0, "fast_kernels": "require",
+            "engine": "transformers",
+            "vllm": {"command": VLLM_COMMAND, "env": {}, "startup_timeout_s": 1800, "concurrency": 8}}
+ENGINES = ("transformers", "vllm")
 
 
 def untrained_drafter(drafter_dir: Path, seed: int = 0) -> tuple[DFlashDraftModel, Qwen3Config]:
@@ -169,19 +197,23 @@ def propose(drafter: DFlashDraftModel, io: TargetIO, context_kv: list, context_l
     return io.logits(hidden[0, 1:]).argmax(-1).tolist()
 
 
+class Decoded(NamedTuple):
+    tokens: list[int]  # the new tokens: exactly plain greedy decoding's
+    forwards: int  # target forwards, the prefill included
+    steps: list[tuple[int, int]]  # (drafted, accepted) per verify step that drafted, in order
+
+
 @torch.inference_mode()
 def speculative_generate(target: PreTrainedModel, drafter: DFlashDraftModel | None, io: TargetIO,
                          prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
-                         block_size: int | None = None) -> tuple[list[int], int]:
-    """Greedy decoding, verified block by block; returns (new tokens, target forwards).
-
-    Without a drafter every forward yields one token: plain greedy decoding.
-    """
+                         block_size: int | None = None) -> Decoded:
+    """Greedy decoding, verified block by block. Without a drafter every forward yields one token:
+    plain greedy decoding."""
     block_size = 1 if drafter is None else (block_size or drafter.block_size)
     with CachedTarget(target, None if drafter is None else drafter.target_layer_ids) as cached:
         new, features = cached.forward(prompt_ids, 1)
         cached.keep(len(prompt_ids), len(prompt_ids))
-        forwards, context_kv = 1, None
+        forwards, context_kv, steps = 1, None, []
         while new[-1] not in stop_ids and len(new) < max_new_tokens:
             last = len(prompt_ids) + len(new) - 1  # position of the newest token, the block's anchor
             if drafter is not None:
@@ -196,6 +228,8 @@ def speculative_generate(target: PreTrainedModel, drafter: DFlashDraftModel | No
             accepted = 0
             while accepted < num_draft and draft[accepted] == verified[accepted]:
                 accepted += 1
+            if num_draft:
+                steps.append((num_draft, accepted))
             for token in verified[:accepted + 1]:
                 new.append(token)
                 if token in stop_ids:
@@ -205,15 +239,22 @@ def speculative_generate(target: PreTrainedModel, drafter: DFlashDraftModel | No
             cached.keep(num_draft + 1, accepted + 1)
             if features is not None:
                 features = features[:, :accepted + 1]
-    return new, forwards
+    return Decoded(new, forwards, steps)
+
+
+def per_step(drafts: int, accepted: int) -> float:
+    """vLLM's mean acceptance length: 1 + accepted draft tokens per verify step that drafted."""
+    return 1 + accepted / drafts if drafts else 1.0
 
 
 def summarize(samples: list[dict]) -> dict:
     tokens = sum(s["tokens"] for s in samples)
     forwards = sum(s["target_forwards"] for s in samples)
+    drafts, accepted = sum(s["drafts"] for s in samples), sum(s["accepted_draft_tokens"] for s in samples)
     # plain greedy decoding runs one target forward per new token
-    return {"acceptance_length": tokens / forwards, "prompts": len(samples), "target_forwards": forwards,
-            "tokens": tokens, "plain_forwards": tokens, "forwards_saved": tokens - forwards,
+    return {"acceptance_length": tokens / forwards, "acceptance_length_per_step": per_step(drafts, accepted),
+            "prompts": len(samples), "target_forwards": forwards, "tokens": tokens, "drafts": drafts,
+            "accepted_draft_tokens": accepted, "plain_forwards": tokens, "forwards_saved": tokens - forwards,
             "forwards_saved_share": (tokens - forwards) / tokens if tokens else 0.0}
 
 
@@ -222,9 +263,15 @@ def settings(cfg: dict) -> dict:
     unknown = sorted(set(cfg) - set(DEFAULTS))
     if unknown:
         raise ValueError(f"unknown eval settings: {unknown}")
-    cfg = {**DEFAULTS, **cfg}
+    cfg = {**DEFAULTS, **cfg, "vllm": {**DEFAULTS["vllm"], **(cfg.get("vllm") or {})}}
     if cfg["max_new_tokens"] < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {cfg['max_new_tokens']}")
+    if cfg["engine"] not in ENGINES:
+        raise ValueError(f"eval.engine must be one of {ENGINES}, got {cfg['engine']!r}")
+    missing = [p for p in ("{model}", "{port}", "{speculative_config}") if p not in cfg["vllm"]["command"]]
+    if cfg["engine"] == "vllm" and missing:
+        raise ValueError(f"eval.vllm.command lacks {', '.join(missing)}: the server must serve the target with "
+                         f"the drafter on the port the job gives it")
     return cfg
 
 
@@ -257,8 +304,9 @@ def evaluate(target_dir: Path, drafter_dir: Path | None, prompts: list[dict], cf
     evaluations load and render once.
 
     Returns ``{"overall": {...}, "per_category": {category: {...}}, "samples": [...]}`` where each
-    summary has ``acceptance_length, prompts, target_forwards, tokens`` and each sample ``id,
-    category, acceptance_length, tokens, target_forwards, output_ids``.
+    summary has ``acceptance_length, acceptance_length_per_step, prompts, target_forwards, tokens,
+    drafts, accepted_draft_tokens`` and each sample those of its own plus ``id, category,
+    output_ids, steps`` (:class:`Decoded`).
     """
     log = log or logging.getLogger(__name__)
     cfg = settings(cfg)
@@ -267,73 +315,155 @@ def evaluate(target_dir: Path, drafter_dir: Path | None, prompts: list[dict], cf
     drafter = None
     if drafter_dir is not None:
         drafter, config = untrained_drafter(drafter_dir, cfg["seed"]) if init_only else load_drafter(drafter_dir)
-        check_drafter(drafter, config, target, drafter_dir, cfg["block_size"])
+        check_drafter(config, target.config, drafter_dir, cfg["block_size"])
         drafter = drafter.to(target.device, target.dtype).eval()
     io = TargetIO.from_model(target)
     stop_ids = stop_token_ids(tokenizer, target.generation_config)
     log.info("evaluating %s with drafter %s%s on %d prompts, stop ids %s", target_dir, drafter_dir,
              " (untrained)" if init_only else "", len(prompts), sorted(stop_ids))
 
-    samples = []
     # the eval job decodes twice, trained and untrained: the console lines say which
     desc = "greedy decode" if drafter is None else f"spec decode, {'untrained' if init_only else 'trained'} drafter"
-    for prompt, ids in zip(progress(prompts, desc=desc, unit="prompt"), prompt_ids, strict=True):
-        out, forwards = speculative_generate(target, drafter, io, ids, cfg["max_new_tokens"], stop_ids,
-                                             cfg["block_size"])
-        samples.append({"id": prompt["id"], "category": prompt["category"],
-                        "acceptance_length": len(out) / forwards, "tokens": len(out),
-                        "target_forwards": forwards, "output_ids": out})
+    decoded = [speculative_generate(target, drafter, io, ids, cfg["max_new_tokens"], stop_ids, cfg["block_size"])
+               for ids in progress(prompt_ids, desc=desc, unit="prompt")]
+    result = tally(prompts, decoded)
+    log.info("acceptance length %.3f over %d prompts", result["overall"]["acceptance_length"], len(prompts))
+    return result
 
+
+def tally(prompts: list[dict], decoded: list[Decoded]) -> dict:
+    """Each prompt's decoding as a sample, and their summaries overall and per category."""
+    samples = []
+    for prompt, (out, forwards, steps) in zip(prompts, decoded, strict=True):
+        accepted = sum(a for _, a in steps)
+        samples.append({"id": prompt["id"], "category": prompt["category"],
+                        "acceptance_length": len(out) / forwards, "tokens": len(out), "target_forwards": forwards,
+                        "acceptance_length_per_step": per_step(len(steps), accepted), "drafts": len(steps),
+                        "accepted_draft_tokens": accepted, "output_ids": out, "steps": steps})
     categories = sorted({s["category"] for s in samples})
-    result = {
+    return {
         "overall": summarize(samples),
         "per_category": {c: summarize([s for s in samples if s["category"] == c]) for c in categories},
         "samples": samples,
     }
-    log.info("acceptance length %.3f over %d prompts", result["overall"]["acceptance_length"], len(samples))
+
+
+def vllm_decode(url: str, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> Decoded:
+    """One prompt through a vLLM server, greedy, as token ids; its verify steps from the response's
+    per-request spec-decode metrics (``--per-request-spec-decode-metrics detailed``)."""
+    body = {"model": "target", "prompt": prompt_ids, "max_tokens": max_new_tokens, "temperature": 0.0,
+            "stop_token_ids": sorted(stop_ids), "return_token_ids": True, "skip_special_tokens": False}
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        answer = json.loads(response.read())
+    out = answer["choices"][0]["token_ids"]
+    spec = (answer.get("metrics") or {}).get("speculative_decoding")
+    if spec is None or spec.get("per_step_accepted") is None:
+        raise RuntimeError(f"{url}: the answer carries no per-step spec-decode metrics: start vLLM with "
+                           "--per-request-spec-decode-metrics detailed (eval.vllm.command)")
+    steps = list(zip(spec["per_step_drafted"], spec["per_step_accepted"], strict=True))
+    return Decoded(out, 1 + len(steps), steps)
+
+
+def evaluate_vllm(target_dir: Path, drafter_dir: Path, prompts: list[dict], prompt_ids: list[list[int]], cfg: dict,
+                  stop_ids: set[int], log_dir: Path, label: str, log: logging.Logger | None = None) -> dict:
+    """:func:`evaluate`'s result, measured by a vLLM server (``cfg["vllm"]``) serving the target
+    with the drafter in ``drafter_dir``; the server's log goes to ``log_dir/vllm-<label>.log``."""
+    from dflash.config import render_command
+    from dflash.server import ServerProcess, free_port
+
+    log = log or logging.getLogger(__name__)
+    block_size = cfg["block_size"] or Qwen3Config.from_pretrained(drafter_dir).block_size
+    spec = json.dumps({"method": "dflash", "model": str(Path(drafter_dir).resolve()),
+                       "num_speculative_tokens": block_size - 1})
+    port, engine = free_port(), cfg["vllm"]
+    argv = render_command(engine["command"], model=str(target_dir), host="127.0.0.1", port=port,
+                          served_model_name="target", speculative_config=spec)
+    server = ServerProcess(argv, f"http://127.0.0.1:{port}/health", Path(log_dir) / f"vllm-{label}.log", engine["env"],
+                           engine["startup_timeout_s"])
+    log.info("starting vLLM with the %s drafter: %s", label, " ".join(argv))
+    with server:
+        url = f"http://127.0.0.1:{port}"
+        with ThreadPoolExecutor(engine["concurrency"]) as pool:
+            decoded = list(progress(pool.map(lambda ids: vllm_decode(url, ids, cfg["max_new_tokens"], stop_ids),
+                                             prompt_ids), total=len(prompt_ids), desc=f"vLLM, {label} drafter",
+                                    unit="prompt"))
+    result = tally(prompts, decoded)
+    log.info("vLLM, %s drafter: acceptance length per verify step %.3f over %d prompts", label,
+             result["overall"]["acceptance_length_per_step"], len(prompts))
     return result
 
 
-def check_drafter(drafter: DFlashDraftModel, config: Qwen3Config, target: PreTrainedModel, drafter_dir: Path,
-                  block_size: int | None) -> None:
-    text = target.config.get_text_config()
+def check_drafter(config: Qwen3Config, target_config, drafter_dir: Path, block_size: int | None) -> None:
+    text = target_config.get_text_config()
+    layer_ids, trained_block = config.dflash_config["target_layer_ids"], config.block_size
     problems = []
     if (config.hidden_size, config.vocab_size) != (text.hidden_size, text.vocab_size):
         problems.append(f"hidden/vocab {config.hidden_size}/{config.vocab_size} vs target "
                         f"{text.hidden_size}/{text.vocab_size}")
-    if max(drafter.target_layer_ids) >= text.num_hidden_layers:
-        problems.append(f"target_layer_ids {drafter.target_layer_ids} vs {text.num_hidden_layers} target layers")
-    if block_size is not None and not 1 <= block_size <= drafter.block_size:
-        problems.append(f"block_size {block_size} outside 1..{drafter.block_size} (the trained block size)")
+    if max(layer_ids) >= text.num_hidden_layers:
+        problems.append(f"target_layer_ids {layer_ids} vs {text.num_hidden_layers} target layers")
+    if block_size is not None and not 1 <= block_size <= trained_block:
+        problems.append(f"block_size {block_size} outside 1..{trained_block} (the trained block size)")
     if problems:
         raise ValueError(f"drafter {drafter_dir} does not fit target: " + "; ".join(problems))
 
 
-def run_eval(checkpoint: Path, target_dir: Path, heldout: Path, out: Path, cfg: dict) -> dict:
+def run_eval(checkpoint: Path, target_dir: Path, heldout: Path, out: Path, cfg: dict,
+             server_logs: Path | None = None) -> dict:
     """The eval stage: the trained drafter and, for scale, an untrained one with the same config,
-    on the held-out prompts; writes the JSON report (token ids left out)."""
-    from transformers import AutoTokenizer
+    on the held-out prompts; writes the JSON report (token ids left out) and returns it with each
+    sample's ``output_ids`` and ``steps``. With ``engine: vllm`` the servers' logs go to
+    ``server_logs`` (default: beside ``out``)."""
+    from transformers import AutoTokenizer, GenerationConfig
 
+    from dflash.drafter import write_drafter_state
     from dflash.io import write_json
     from dflash.records import checked_records
 
+    cfg = settings(cfg)
     prompts = [rec for _, rec in checked_records(heldout, "prompt", "eval reads the heldout.jsonl.zst of the prompts stage")]
     if not prompts:
         raise ValueError(f"{heldout}: no held-out prompts to evaluate (mark some source records split: heldout)")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    loaded = {"target": load_target(target_dir, settings(cfg)), "prompt_ids": encode_prompts(prompts, tokenizer)}
-    trained = evaluate(target_dir, checkpoint, prompts, cfg, tokenizer, **loaded)
-    untrained = evaluate(target_dir, checkpoint, prompts, cfg, tokenizer, init_only=True, **loaded)
+    prompt_ids = encode_prompts(prompts, tokenizer)
+    if cfg["engine"] == "vllm":
+        check_drafter(Qwen3Config.from_pretrained(checkpoint), AutoConfig.from_pretrained(target_dir), checkpoint,
+                      cfg["block_size"])
+        try:
+            generation_config = GenerationConfig.from_pretrained(target_dir)
+        except OSError:  # a target without generation_config.json: the tokenizer's stop ids alone
+            generation_config = None
+        stop_ids = stop_token_ids(tokenizer, generation_config)
+        Path(out).parent.mkdir(parents=True, exist_ok=True)  # the baseline's folder goes there
+        logs = Path(server_logs or Path(out).parent)
+        trained = evaluate_vllm(target_dir, checkpoint, prompts, prompt_ids, cfg, stop_ids, logs, "trained")
+        # the untrained baseline is a checkpoint too: the server reads drafters from folders
+        with tempfile.TemporaryDirectory(dir=Path(out).parent, prefix=".untrained-drafter-") as baseline:
+            model, config = untrained_drafter(checkpoint, cfg["seed"])
+            write_drafter_state(model.state_dict(), config, Path(baseline))
+            untrained = evaluate_vllm(target_dir, Path(baseline), prompts, prompt_ids, cfg, stop_ids, logs,
+                                      "untrained")
+    else:
+        loaded = {"target": load_target(target_dir, cfg), "prompt_ids": prompt_ids}
+        trained = evaluate(target_dir, checkpoint, prompts, cfg, tokenizer, **loaded)
+        untrained = evaluate(target_dir, checkpoint, prompts, cfg, tokenizer, init_only=True, **loaded)
     if [s["output_ids"] for s in trained["samples"]] != [s["output_ids"] for s in untrained["samples"]]:
         raise RuntimeError("speculative decoding is not lossless: trained and untrained drafters decoded differently")
     result = {
         "overall": trained["overall"],
         "per_category": trained["per_category"],
         "untrained": {"overall": untrained["overall"], "per_category": untrained["per_category"]},
-        "samples": [{k: v for k, v in s.items() if k != "output_ids"} for s in trained["samples"]],
-        "settings": cfg,
+        "samples": trained["samples"],
+        # the server's environment may hold secrets (a token): its names only
+        "settings": {**cfg, "vllm": {**cfg["vllm"], "env": sorted(cfg["vllm"]["env"])}},
     }
-    write_json(out, result)
-    logging.getLogger(__name__).info("acceptance length: trained %.3f, untrained %.3f",
-                                     trained["overall"]["acceptance_length"], untrained["overall"]["acceptance_length"])
+    write_json(out, {**result, "samples": [{k: v for k, v in s.items() if k not in ("output_ids", "steps")}
+                                           for s in trained["samples"]]})
+    logging.getLogger(__name__).info(
+        "acceptance length (tokens per target forward): trained %.3f, untrained %.3f; per verify step (as vLLM "
+        "reports it): trained %.3f, untrained %.3f", trained["overall"]["acceptance_length"],
+        untrained["overall"]["acceptance_length"], trained["overall"]["acceptance_length_per_step"],
+        untrained["overall"]["acceptance_length_per_step"])
     return result

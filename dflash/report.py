@@ -74,13 +74,23 @@ def summarize(config: dict, manifest: Path, qa_summary: Path, gates: Path, check
             "final_loss": train_log[-1]["loss"] if train_log else None,
             "curve": [[e["step"], e["loss"]] for e in train_log],
         },
-        "eval": {k: evaluation[k] for k in ("overall", "per_category", "untrained") if k in evaluation},
+        "eval": {**{k: evaluation[k] for k in ("overall", "per_category", "untrained") if k in evaluation},
+                 "engine": evaluation.get("settings", {}).get("engine", "transformers")},
+        "serving": _serving(config, checkpoint),
         "durability": _durability(durability) if durability is not None else None,
         "pilot": read_json(pilot) if pilot else None,
         "plan": read_json(plan) if plan else None,
         "generation": _generation(config, [read_json(p) for p in generated]) if generated else None,
         "stages": stage_costs(benchmarks) if benchmarks else None,
     }
+
+
+def _serving(config: dict, checkpoint: Path) -> dict:
+    """How to serve the trained drafter, for the page (dflash serve-command prints the same)."""
+    from dflash.serving import serve_commands
+    from dflash.workflow import target_dir
+
+    return serve_commands(checkpoint, target_dir(config), config["generate"]["enable_thinking"])
 
 
 def _generation(config: dict, summaries: list[dict]) -> dict:
@@ -562,6 +572,16 @@ def _stages_html(stages: dict | None) -> str:
     ], raw=(4,), classes={4: "barcell"})
 
 
+def _serving_html(commands: dict | None) -> str:
+    if not commands:
+        return "<p>-</p>"
+    lines = [("vLLM", commands["vllm"]), ("vLLM's CPU build", commands["vllm_cpu"]), ("SGLang (GPU)", commands["sglang"])]
+    return ("<p>The checkpoint is what both engines read; no conversion (docs/serving.md; "
+            "<code>dflash serve-command &lt;checkpoint&gt;</code> prints these).</p>"
+            + "".join(f"<p>{name}:</p><pre>{html.escape(line)}</pre>" for name, line in lines if line)
+            + "<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in commands["notes"]) + "</ul>")
+
+
 def render_html(s: dict) -> str:
     p, v, t, tr, ev = s["prompts"], s["validate"], s["tokenized"], s["train"], s["eval"]
     stages = _table(["stage", "count"], [[name, _fmt(n) if isinstance(n, (int, float)) else n] for name, n in [
@@ -590,9 +610,13 @@ def render_html(s: dict) -> str:
         e = untrained.get("overall") if cat == "overall" else untrained.get("per_category", {}).get(cat)
         return (e or {}).get("acceptance_length")
 
-    acceptance = _table(["category", "acceptance length", "untrained drafter", "prompts", "tokens",
-                         "target forwards", "plain decoding forwards", "forwards saved"], [
-        [cat, f"{e['acceptance_length']:.3f}", f"{plain(cat):.3f}" if plain(cat) else "-", _fmt(e["prompts"]),
+    def per_step(e: dict) -> str:  # eval files written before the per-step figure have none
+        return f"{e['acceptance_length_per_step']:.3f}" if "acceptance_length_per_step" in e else "-"
+
+    acceptance = _table(["category", "acceptance length", "untrained drafter", "per verify step (vLLM's figure)",
+                         "prompts", "tokens", "target forwards", "plain decoding forwards", "forwards saved"], [
+        [cat, f"{e['acceptance_length']:.3f}", f"{plain(cat):.3f}" if plain(cat) else "-", per_step(e),
+         _fmt(e["prompts"]),
          _fmt(e["tokens"]), _fmt(e["target_forwards"]), _fmt(e.get("plain_forwards", e["tokens"])),
          f"{e['tokens'] - e['target_forwards']:,} ({(e['tokens'] - e['target_forwards']) / max(1, e['tokens']):.1%})"]
         for cat, e in rows
@@ -603,6 +627,8 @@ def render_html(s: dict) -> str:
         "held-out prompts of each category", "tokens per target forward", baseline=(1.0, "1.0 = no speed-up"),
         height=290) + "</div>"
     loss = _loss_svg(tr["curve"])
+    engine = " through vLLM (eval.engine: vllm)" if ev.get("engine") == "vllm" else ""
+    serving = _serving_html(s.get("serving"))
     return _page(f"dflash-pipeline run <code>{html.escape(s['run'])}</code>", f"""{_durability_html(s.get("durability"))}
 {_headline_html(s)}
 <h2>Counts per stage</h2>{stages}
@@ -613,7 +639,11 @@ def render_html(s: dict) -> str:
 <h2>Per category</h2>{per_cat}
 <h2>Drafter training loss</h2><div class="plots">{loss}</div>
 <h2>Acceptance length on held-out prompts</h2>
-<p>Mean tokens accepted per target forward (greedy speculative decoding; 1.0 = no speed-up).</p>{acceptance}
+<p>Greedy speculative decoding of the held-out prompts{engine}. <b>Acceptance length</b>: tokens per target
+forward, the prefill included (1.0 = no speed-up): what the drafter saves. <b>Per verify step</b>: 1 + accepted
+draft tokens per verify step, the prefill left out: the "mean acceptance length" vLLM reports and the papers' tau;
+compare published figures with this one.</p>{acceptance}
+<h2>Serving it</h2>{serving}
 {_generation_html(s.get("generation"), s.get("plan"))}
 {_plan_html(s.get("pilot"), s.get("plan"))}
 """, s.get("about"), None, (QA_PAGE, "completion quality (QA)"))

@@ -86,6 +86,7 @@ from transformers import AutoConfig
 from dflash.hidden import cached_features, check_token_ids, features_and_greedy, forward_features
 from dflash.objective import LABELS, WEIGHTS, block_labels, block_loss, supervision
 from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config, write_drafter_state
+from dflash.serving import serving_problems
 from dflash.errors import RANK_ERRORS, first_rank_error, rank_error_recorded
 from dflash.io import atomic_dir, atomic_path, load_safetensors, open_safetensors, read_json, replace_problem
 from dflash.target import check_fast_kernels
@@ -554,6 +555,9 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
         if arch[key] is None:
             arch[key] = getattr(target_config, target_key)
     config = make_draft_config(target_config, **arch)
+    if main:  # before the hours of training, not after
+        for problem in serving_problems(config.to_dict()):
+            log.warning("serving: %s", problem)
     layer_ids = config.dflash_config["target_layer_ids"]
     model = DFlashDraftModel(config).to(device)
     io = TargetIO.from_pretrained(target_dir).to(device, torch.float32)

