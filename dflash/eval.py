@@ -366,6 +366,23 @@ def vllm_decode(url: str, prompt_ids: list[int], max_new_tokens: int, stop_ids: 
     return Decoded(out, 1 + len(steps), steps)
 
 
+SPEC_DECODE_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts_total",
+                        "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+                        "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total"}
+
+
+def spec_decode_counters(url: str) -> dict[str, int]:
+    """vLLM's Prometheus spec-decode counters (``/metrics``), summed over their label sets."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=60) as response:
+        lines = response.read().decode().splitlines()
+    totals = dict.fromkeys(SPEC_DECODE_COUNTERS, 0)
+    for line in lines:
+        for key, name in SPEC_DECODE_COUNTERS.items():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                totals[key] += int(float(line.rsplit(" ", 1)[1]))
+    return totals
+
+
 def evaluate_vllm(target_dir: Path, drafter_dir: Path, prompts: list[dict], prompt_ids: list[list[int]], cfg: dict,
                   stop_ids: set[int], log_dir: Path, label: str, log: logging.Logger | None = None) -> dict:
     """:func:`evaluate`'s result, measured by a vLLM server (``cfg["vllm"]``) serving the target
@@ -389,7 +406,11 @@ def evaluate_vllm(target_dir: Path, drafter_dir: Path, prompts: list[dict], prom
             decoded = list(progress(pool.map(lambda ids: vllm_decode(url, ids, cfg["max_new_tokens"], stop_ids),
                                              prompt_ids), total=len(prompt_ids), desc=f"vLLM, {label} drafter",
                                     unit="prompt"))
-    result = tally(prompts, decoded)
+        counters = spec_decode_counters(url)
+    result = {**tally(prompts, decoded), "server_counters": counters}
+    steps = sum(len(d.steps) for d in decoded)
+    if counters["drafts"] != steps:  # the server's own tally of what its responses reported
+        log.warning("vLLM's /metrics counts %d drafts, its responses %d verify steps", counters["drafts"], steps)
     log.info("vLLM, %s drafter: acceptance length per verify step %.3f over %d prompts", label,
              result["overall"]["acceptance_length_per_step"], len(prompts))
     return result
@@ -455,6 +476,8 @@ def run_eval(checkpoint: Path, target_dir: Path, heldout: Path, out: Path, cfg: 
         "overall": trained["overall"],
         "per_category": trained["per_category"],
         "untrained": {"overall": untrained["overall"], "per_category": untrained["per_category"]},
+        **({"server_counters": {"trained": trained["server_counters"], "untrained": untrained["server_counters"]}}
+           if "server_counters" in trained else {}),
         "samples": trained["samples"],
         # the server's environment may hold secrets (a token): its names only
         "settings": {**cfg, "vllm": {**cfg["vllm"], "env": sorted(cfg["vllm"]["env"])}},

@@ -81,12 +81,17 @@ def test_vllm_serves_the_trained_drafter_and_sees_our_acceptance(served, vllm):
                       r["overall"]["drafts"], r["overall"]["accepted_draft_tokens"]) for name, r in served.items()
                if name in ("ours", "vllm")}
     print(f"\nper verify step, trained / untrained (drafts, accepted): {figures}")
-    # vLLM drafted, on every prompt, and the trained drafter beats the untrained one there too
+    # vLLM drafted, on every prompt, as its /metrics counters say too, and the trained drafter
+    # beats the untrained one there as well
     assert engine["overall"]["drafts"] > 0 and all(s["drafts"] > 0 for s in engine["samples"])
+    print(f"vLLM's /metrics spec-decode counters: {engine['server_counters']}")
+    assert engine["server_counters"]["trained"] == {
+        "drafts": engine["overall"]["drafts"], "accepted_tokens": engine["overall"]["accepted_draft_tokens"],
+        "draft_tokens": sum(d for s in engine["samples"] for d, _ in s["steps"])}
     assert engine["overall"]["acceptance_length_per_step"] > engine["untrained"]["overall"]["acceptance_length_per_step"] + 0.1
     # Every output is plain greedy decoding: vLLM with the drafter (trained and untrained: run_eval
     # checks they agree), our eval, and vLLM without a drafter decode the same tokens.
-    assert [s["tokens"] for s in engine["samples"]] == [s["tokens"] for s in ours["samples"]]
+    assert [s["output_ids"] for s in engine["samples"]] == [s["output_ids"] for s in ours["samples"]]
     ids = encode_prompts(served["heldout"], served["tokenizer"])
     stop = sorted(stop_token_ids(served["tokenizer"], served["target"].generation_config))
     ours_ids = evaluate(served["work"] / "none", None, served["heldout"], {"max_new_tokens": EVAL_TOKENS, "device": "cpu"},
