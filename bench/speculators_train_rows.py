@@ -12,8 +12,11 @@ loss_mask, aux [T, k*H]: the target layers' features from the pipeline's hidden 
 
 Its own recipe, as `speculators train --speculator-type dflash` sets it (train/config/schema.py
 defaults, the best-practices example): loss "ce" (hard CE against the verifier's argmax) with
-D-PACE per-position weights (alpha 0.5), AdamW with weight decay 0.01, a linear schedule with 1%
-warmup, clip 1.0; each step packs its rows into one sequence (its CollateFn) with
+D-PACE per-position weights (alpha 0.5), its CLI's optimizer (`--optimizer muon` by default:
+torch's Muon for the 2-D weights, lr = --lr, match_rms_adamw, momentum 0.95, weight decay 0.1;
+AdamW with weight decay 0.01 for the rest; `--optimizer adamw`: AdamW, decay 0.01, for all, the
+default of its TrainerConfig class, which the CLI overrides), a linear schedule with 1% warmup,
+clip 1.0; each step packs its rows into one sequence (its CollateFn) with
 max_anchors = rows x anchors per row; sdpa attention and the eager loss (its CPU path). The
 verifier's final norm is already applied to `last`: verifier_norm gets weight 1, which rescales
 each position's logits by a positive factor and leaves the argmax targets as they were.
@@ -36,6 +39,7 @@ from safetensors.torch import load_file, save_file
 from speculators.config import SpeculatorsConfig, VerifierConfig
 from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
 from speculators.proposals.greedy import GreedyTokenProposalConfig
+from speculators.train.config.schema import OptimizerArgs
 from speculators.train.optimizers import build_optimizers
 from speculators.train.trainer import TrainerConfig
 from transformers import Qwen3Config, get_linear_schedule_with_warmup
@@ -52,6 +56,8 @@ ap.add_argument("--threads", type=int, default=1)
 ap.add_argument("--loss-weight", choices=["dpace", "fixed-exp-decay"], default="dpace",
                 help="its --per-position-loss-weight (fixed-exp-decay: with --gamma)")
 ap.add_argument("--gamma", type=float, default=4.0, help="its --dflash-decay-gamma")
+ap.add_argument("--optimizer", choices=["muon", "adamw"], default=OptimizerArgs().optimizer,
+                help="its --optimizer (default: its CLI's)")
 a = ap.parse_args()
 torch.set_num_threads(a.threads)
 torch.manual_seed(a.seed)
@@ -102,7 +108,11 @@ def packed(picked: list[slice]) -> dict:
 train_kwargs, _ = DFlashDraftModel.get_trainer_kwargs(
     loss_fn="ce", loss_implementation="eager", max_anchors=a.anchors_per_row * a.batch,
     per_position_loss_weight=a.loss_weight, dflash_decay_gamma=a.gamma, dpace_alpha=0.5)
-optimizers = build_optimizers(model, TrainerConfig(lr=a.lr, num_epochs=1, save_path=str(a.out)))
+cli = OptimizerArgs(optimizer=a.optimizer, lr=a.lr)  # the CLI's defaults for everything else
+optimizers = build_optimizers(model, TrainerConfig(
+    lr=a.lr, num_epochs=1, save_path=str(a.out), optimizer=cli.optimizer, weight_decay=cli.weight_decay,
+    muon_lr=a.lr if cli.muon_lr is None else cli.muon_lr, muon_momentum=cli.muon_momentum,
+    muon_weight_decay=cli.muon_weight_decay, muon_ns_steps=cli.muon_ns_steps, muon_adjust_lr_fn=cli.muon_adjust_lr_fn))
 schedulers = [get_linear_schedule_with_warmup(o, a.steps // 100, a.steps) for o in optimizers]
 generator = torch.Generator().manual_seed(a.seed)
 order: list[int] = []
@@ -139,4 +149,5 @@ save_file({"hidden": hidden[0].contiguous(), "block_positions": idx.contiguous()
 (a.out / "summary.json").write_text(json.dumps({
     "seconds": seconds, "steps": a.steps, "first_loss": losses[0], "final_loss": sum(losses[-10:]) / 10,
     "recipe": f"ce + {a.loss_weight} ({'alpha 0.5' if a.loss_weight == 'dpace' else f'gamma {a.gamma}'}), "
-              "AdamW wd 0.01, linear schedule 1% warmup, clip 1.0, packed rows, sdpa"}))
+              + ("Muon (2-D, wd 0.1) + AdamW (wd 0.01), " if a.optimizer == "muon" else "AdamW wd 0.01, ")
+              + "linear schedule 1% warmup, clip 1.0, packed rows, sdpa"}))

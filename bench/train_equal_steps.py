@@ -15,9 +15,12 @@ steps on the same data and compares what they make:
 - training: the run's `train` section for steps, peak lr, rows per step and anchors per row;
   each trainer otherwise runs its own recipe: ours dflash.train.train with the config's
   `train.loss` (`--ablation`: each of {decay, dpace} weights x {data, target} labels), warmup +
-  cosine, its AdamW; speculators its DFlash defaults (`bench/speculators_train_rows.py`: CE
-  against the verifier's argmax with D-PACE weights, linear schedule, AdamW wd 0.01, rows packed
-  into one sequence). fp32, one thread each, CPU, `--jobs` trainings at a time;
+  cosine, its AdamW (`--set KEY=VALUE` overrides one of our train settings); speculators the
+  defaults of `speculators train --speculator-type dflash` (`bench/speculators_train_rows.py`: CE
+  against the verifier's argmax with D-PACE weights, linear schedule, Muon for the matrices and
+  AdamW for the rest, rows packed into one sequence; `--speculators-optimizer adamw`: AdamW for
+  all, the default of its TrainerConfig class, which its CLI overrides). `--lr` sets both
+  trainers' peak lr. fp32, one thread each, CPU, `--jobs` trainings at a time;
 - seeds (`--seeds 0,1,2`): each trainer once per seed (model init, row order, anchors), so the
   spread of a single run's figures is printed beside them;
 - the weights map one to one: speculators' DFlashDraftModel has our parameter names (fc,
@@ -33,7 +36,8 @@ Prints training wall time (the training loop) and acceptance length overall and 
 A quality comparison, not a timing ratio (see train_vs_speculators.py for that).
 
 Usage: .venv/bin/python bench/train_equal_steps.py [--results results] [--config config.yaml]
-    [--steps N] [--ablation] [--attention-only [--work DIR]] [--seeds 0,1,2] [--jobs 2]
+    [--steps N] [--lr LR] [--ablation] [--attention-only [--work DIR]] [--seeds 0,1,2] [--jobs 2]
+    [--set KEY=VALUE ...] [--speculators-optimizer muon|adamw]
     [--speculators-python .venv-speculators/bin/python]
 (the demo's 1,000 steps, --ablation: about 20 minutes on 2 cores; each seed or target as much again)
 """
@@ -149,11 +153,13 @@ def start_ours(tokenized: list[Path], hidden: list[Path], target_dir: Path, out:
                             cwd=ROOT, env=ENV)
 
 
-def start_speculators(python: Path, data: Path, out: Path, cfg: dict, loss_weight: str) -> subprocess.Popen:
+def start_speculators(python: Path, data: Path, out: Path, cfg: dict, loss_weight: str,
+                      optimizer: str) -> subprocess.Popen:
     return subprocess.Popen([str(python), str(ROOT / "bench" / "speculators_train_rows.py"), str(data), str(out),
                              "--steps", str(cfg["steps"]), "--lr", str(cfg["lr"]), "--batch", str(cfg["batch_size"]),
                              "--anchors-per-row", str(cfg["num_anchors"]), "--seed", str(cfg["seed"]),
-                             "--loss-weight", loss_weight, "--gamma", str(cfg["loss"]["decay_gamma"])],
+                             "--loss-weight", loss_weight, "--gamma", str(cfg["loss"]["decay_gamma"]),
+                             "--optimizer", optimizer],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
 
 
@@ -169,6 +175,7 @@ def main() -> None:
     ap.add_argument("--results", type=Path, default=ROOT / "results", help="a finished demo run's results folder")
     ap.add_argument("--config", type=Path, default=ROOT / "config.yaml", help="that run's config")
     ap.add_argument("--steps", type=int, help="default: the config's train.steps")
+    ap.add_argument("--lr", type=float, help="peak learning rate of both trainers (default: the config's train.lr)")
     ap.add_argument("--ablation", action="store_true",
                     help="ours with each of {decay, dpace} x {data, target} (train.loss weights x labels), not only "
                          "the config's")
@@ -183,6 +190,11 @@ def main() -> None:
     ap.add_argument("--speculators-loss-weight", choices=["dpace", "fixed-exp-decay"], default="dpace",
                     help="speculators' per-position loss weights (dpace: its default for dflash; fixed-exp-decay "
                          "uses our train.loss.decay_gamma)")
+    ap.add_argument("--speculators-optimizer", choices=["muon", "adamw"], default="muon",
+                    help="speculators' --optimizer (muon: its CLI's default; adamw: its TrainerConfig's)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one of our train settings (VALUE is YAML: --set optimizer=muon, "
+                         "--set min_lr_ratio=0); repeatable")
     ap.add_argument("--speculators-python", type=Path, default=ROOT / ".venv-speculators" / "bin" / "python")
     a = ap.parse_args()
     if not a.speculators_python.exists():
@@ -211,7 +223,12 @@ def main() -> None:
     cfg = drafter_train_cfg(config, target_dir)
     if a.steps:
         cfg["steps"] = a.steps
+    if a.lr:
+        cfg["lr"] = a.lr
     cfg.update(device="cpu", hidden_states="offline")
+    import yaml
+
+    ours_cfg = {**cfg, **{k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in a.set)}}
     a.seeds = a.seeds or [cfg["seed"]]
     work = Path(tempfile.mkdtemp(prefix="bench-equal-steps-"))
     combos = OURS if a.ablation else {"dflash-pipeline": cfg["loss"]}
@@ -225,16 +242,17 @@ def main() -> None:
     shape = work / "shape"
     finish("ours (config)", start_ours(tokenized, hidden, target_dir, shape, {**cfg, "steps": 1, "save_every": 0}))
     speculators_data(a.results, target_dir, hidden, shape, work / "data")
-    spec_name = f"speculators 0.9.0 ({a.speculators_loss_weight})"
+    spec_name = f"speculators 0.9.0 ({a.speculators_loss_weight}, {a.speculators_optimizer})"
     runs = {}  # (trainer, seed) -> (output folder, start)
     for seed in a.seeds:
         for name, loss in combos.items():
             out = work / f"ours-{len(runs)}"
             runs[name, seed] = (out, lambda out=out, loss=loss, seed=seed: start_ours(
-                tokenized, hidden, target_dir, out, {**cfg, "seed": seed, "loss": {**cfg["loss"], **loss}}))
+                tokenized, hidden, target_dir, out, {**ours_cfg, "seed": seed, "loss": {**cfg["loss"], **loss}}))
         out = work / f"spec-{seed}"
         runs[spec_name, seed] = (out, lambda out=out, seed=seed: start_speculators(
-            a.speculators_python, work / "data", out, {**cfg, "seed": seed}, a.speculators_loss_weight))
+            a.speculators_python, work / "data", out, {**cfg, "seed": seed}, a.speculators_loss_weight,
+            a.speculators_optimizer))
 
     t0, seconds, pending, running = time.perf_counter(), {}, list(runs), []
     while pending or running:
@@ -287,7 +305,7 @@ def main() -> None:
             print(row(label, str(key[1]), [results[key]], [seconds[key]]))
         if len(keys) > 1:
             print(row(label, "mean", [results[k] for k in keys], [seconds[k] for k in keys]))
-    print(f"speculators recipe: {spec_summary['recipe']}")
+    print(f"speculators recipe: {spec_summary['recipe']}" + (f"; ours with {' '.join(a.set)}" if a.set else ""))
     shutil.rmtree(work)
 
 

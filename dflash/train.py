@@ -29,7 +29,9 @@ training
     lr: float = 6e-4                      peak learning rate
     warmup_ratio: float = 0.04            fraction of steps with linear warmup
     min_lr_ratio: float = 0.1             cosine decay floor, as a fraction of lr
-    weight_decay: float = 0.0             AdamW decay of the matrices (not norms)
+    weight_decay: float = 0.0             decay of the matrices (not the norm gains)
+    optimizer: str = "adamw"              "adamw", or "muon": torch's Muon for the matrices (its update
+                                          matched to AdamW's size, so the same lr), AdamW for the gains
     grad_clip: float | None = 1.0         max global grad norm; None = no clipping
     num_anchors: int = 512                blocks per row and step (fewer if the row has fewer)
     loss: dict                            the objective (dflash.objective): ``weights`` "dpace" |
@@ -110,6 +112,7 @@ DEFAULTS: dict[str, Any] = {
     "warmup_ratio": 0.04,
     "min_lr_ratio": 0.1,
     "weight_decay": 0.0,
+    "optimizer": "adamw",
     "grad_clip": 1.0,
     "num_anchors": 512,
     "loss": {"weights": "dpace", "dpace_alpha": 0.5, "decay_gamma": 7.0, "labels": "target"},
@@ -123,6 +126,7 @@ DEFAULTS: dict[str, Any] = {
     "device": "auto",
     "fast_kernels": "require",
 }
+OPTIMIZERS = ("adamw", "muon")
 ARCH_KEYS = ("num_layers", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "block_size",
              "mask_token_id", "target_layer_ids", "layer_types", "sliding_window")
 # Sizes that default to the target's own.
@@ -140,6 +144,8 @@ def resolve_cfg(cfg: dict) -> dict:
         raise ValueError(f"unknown train.loss settings: {unknown}")
     if merged["loss"]["weights"] not in WEIGHTS or merged["loss"]["labels"] not in LABELS:
         raise ValueError(f"train.loss.weights must be one of {WEIGHTS} and train.loss.labels one of {LABELS}")
+    if merged["optimizer"] not in OPTIMIZERS:
+        raise ValueError(f"train.optimizer must be one of {OPTIMIZERS}")
     if not 0 < merged["loss"]["dpace_alpha"] <= 1:
         raise ValueError("train.loss.dpace_alpha must be in (0, 1]")
     missing = [k for k, v in merged.items() if v is REQUIRED]
@@ -405,12 +411,42 @@ def lr_at(step: int, steps: int, lr: float, warmup_ratio: float, min_lr_ratio: f
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_optimizer(model: DFlashDraftModel, lr: float, weight_decay: float) -> torch.optim.AdamW:
+class Optimizers:
+    """Several optimizers stepped as one: Muon moves the matrices, AdamW the norm gains."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        states = state.get("optimizers", [state])  # a lone AdamW's state: a resume point from before Muon
+        for o, s in zip(self.optimizers, states, strict=True):
+            o.load_state_dict(s)
+
+
+def make_optimizer(model: DFlashDraftModel, lr: float, weight_decay: float, kind: str = "adamw") -> Optimizers:
     # nanoGPT convention: decay the matrices, not the norm gains.
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr)
+    matrices, gains = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+    if kind == "muon":  # match_rms_adamw: the same lr and schedule suit both
+        return Optimizers(torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"),
+                          torch.optim.AdamW(gains, lr=lr, weight_decay=0.0))
+    return Optimizers(torch.optim.AdamW([{"params": matrices, "weight_decay": weight_decay},
+                                         {"params": gains, "weight_decay": 0.0}], lr=lr))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,7 +463,10 @@ def run_fingerprint(cfg: dict, tokenized: list[Path], target_dir: Path) -> str:
     """What a resume point must match: the settings that shape the weights and the data (not
     where or how fast: a run that ran out of memory may resume with a smaller loss chunk)."""
     how = ("device", "save_every", "parallel", "prefetch", "loss_chunk_tokens", "fast_kernels")
-    h = hashlib.sha256(json.dumps({k: v for k, v in cfg.items() if k not in how}, sort_keys=True).encode())
+    # AdamW, the optimizer before there was a choice, leaves the fingerprint as it was then, so a
+    # run's resume points stay good across that upgrade
+    shaping = {k: v for k, v in cfg.items() if k not in how and (k, v) != ("optimizer", "adamw")}
+    h = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode())
     h.update(Path(target_dir).name.encode())
     # the target's weights as this machine holds them (resume points never leave it): a target
     # rebuilt or replaced in the same folder gives other features, and must not continue a run
@@ -497,7 +536,8 @@ class Distributed:
             return model.state_dict(), optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_state_dict(model, optimizer.optimizers,
+                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def load_full_state(self, model: torch.nn.Module, optimizer, model_state: dict, optim_state: dict) -> None:
         if self.world == 1:
@@ -506,7 +546,7 @@ class Distributed:
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+        set_state_dict(model, optimizer.optimizers, model_state_dict=model_state, optim_state_dict=optim_state,
                        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
 
     def sum(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -565,7 +605,7 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
     log.info("drafter: %d layers, %.2fM trainable params, target layers %s, block %d, %d process(es)",
              config.num_hidden_layers, sum(p.numel() for p in model.parameters()) / 1e6, layer_ids, B, dist.world)
     model = dist.wrap(model, cfg["parallel"])
-    optimizer = make_optimizer(model, cfg["lr"], cfg["weight_decay"])
+    optimizer = make_optimizer(model, cfg["lr"], cfg["weight_decay"], cfg["optimizer"])
     # bf16 matmuls on GPU; the weights, optimizer and loss stay fp32
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 

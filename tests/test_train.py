@@ -18,8 +18,8 @@ from dflash.drafter import TargetIO, load_drafter
 from dflash.hidden import features_and_greedy
 from dflash.io import OUTPUT_MARK
 from dflash.objective import HeadCE
-from dflash.train import (Row, anchor_candidates, draft_loss, lr_at, make_batch, resolve_cfg, sample_anchors,
-                          train)
+from dflash.train import (Row, anchor_candidates, draft_loss, lr_at, make_batch, make_optimizer, resolve_cfg,
+                          sample_anchors, train)
 from tests.test_drafter import reference  # noqa: F401 (fixture)
 
 
@@ -144,6 +144,8 @@ def test_cfg_checks():
         resolve_cfg({**TRAIN_CFG, "loss_chunk_tokens": 0})
     with pytest.raises(ValueError, match="prefetch"):
         resolve_cfg({**TRAIN_CFG, "prefetch": -1})
+    with pytest.raises(ValueError, match="optimizer"):
+        resolve_cfg({**TRAIN_CFG, "optimizer": "sgd"})
 
 
 def test_target_io_reads_embedding_and_head(tiny_target_dir):
@@ -347,10 +349,23 @@ def test_train_is_deterministic_with_or_without_prefetch(tiny_target_dir, shards
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_failed_run_resumes_to_the_same_weights_while_prefetching(tiny_target_dir, shards, tmp_path, monkeypatch):
+def test_muon_moves_the_matrices_and_adamw_the_norm_gains():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.LayerNorm(8, bias=False))
+    muon, adamw = make_optimizer(model, 1e-3, 0.1, "muon").optimizers
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert [tuple(p.shape) for g in muon.param_groups for p in g["params"]] == [(8, 8)]
+    assert [tuple(p.shape) for g in adamw.param_groups for p in g["params"]] == [(8,)]
+    assert muon.param_groups[0]["weight_decay"] == 0.1 and adamw.param_groups[0]["weight_decay"] == 0.0
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_failed_run_resumes_to_the_same_weights_while_prefetching(tiny_target_dir, shards, tmp_path, monkeypatch,
+                                                                   optimizer):
     """The prefetch thread has drawn rows and anchors for steps past the last resume point when
-    the run fails; the resumed run must draw them again, as an uninterrupted run did."""
-    cfg = {**TRAIN_CFG, "steps": 9, "log_every": 3, "save_every": 3, "prefetch": 3}
+    the run fails; the resumed run must draw them again, as an uninterrupted run did (the
+    optimizers' state, Muon's momentum included, comes back with the resume point; an AdamW
+    resume point in the format from before the optimizer choice still resumes)."""
+    cfg = {**TRAIN_CFG, "steps": 9, "log_every": 3, "save_every": 3, "prefetch": 3, "optimizer": optimizer}
     train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "whole", cfg)
 
     lr_at = dflash.train.lr_at
@@ -363,6 +378,12 @@ def test_failed_run_resumes_to_the_same_weights_while_prefetching(tiny_target_di
     monkeypatch.setattr(dflash.train, "lr_at", fail_at_step_7)
     with pytest.raises(RuntimeError, match="interrupted"):
         train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "resumed", cfg)
+    if optimizer == "adamw":  # as the trainer wrote them before there was a choice: they still resume
+        points = list((tmp_path / ".resumed.resume").glob("step-*.pt"))
+        assert points
+        for point in points:
+            state = torch.load(point, weights_only=False)
+            torch.save({**state, "optimizer": state["optimizer"]["optimizers"][0]}, point)
     monkeypatch.setattr(dflash.train, "lr_at", lr_at)
     summary = train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "resumed", cfg)
     assert summary["resumed_from_step"] == 6
