@@ -18,8 +18,8 @@ from dflash.drafter import TargetIO, load_drafter
 from dflash.hidden import features_and_greedy
 from dflash.io import OUTPUT_MARK
 from dflash.objective import HeadCE
-from dflash.train import (Row, anchor_candidates, draft_loss, lr_at, make_batch, make_optimizer, resolve_cfg,
-                          sample_anchors, train)
+from dflash.train import (Batch, Row, add_feature_noise, anchor_candidates, draft_loss, lr_at, make_batch,
+                          make_optimizer, resolve_cfg, sample_anchors, train)
 from tests.test_drafter import reference  # noqa: F401 (fixture)
 
 
@@ -342,20 +342,53 @@ def test_train_overfits_and_writes_checkpoint(tiny_target_dir, shards, tmp_path)
 
 
 def test_train_is_deterministic_with_or_without_prefetch(tiny_target_dir, shards, tmp_path):
-    cfg = {**TRAIN_CFG, "steps": 4, "log_every": 2}
+    cfg = {**TRAIN_CFG, "steps": 4, "log_every": 2, "feature_noise": 1.0}
     train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "a", {**cfg, "prefetch": 0})
     train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "b", {**cfg, "prefetch": 3})
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_muon_moves_the_matrices_and_adamw_the_norm_gains():
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.LayerNorm(8, bias=False))
+def test_muon_moves_the_hidden_matrices_and_adamw_the_input_projection_and_the_gains():
+    from tests.test_drafter import draft
+    model = draft()
     muon, adamw = make_optimizer(model, 1e-3, 0.1, "muon").optimizers
     assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
-    assert [tuple(p.shape) for g in muon.param_groups for p in g["params"]] == [(8, 8)]
-    assert [tuple(p.shape) for g in adamw.param_groups for p in g["params"]] == [(8,)]
-    assert muon.param_groups[0]["weight_decay"] == 0.1 and adamw.param_groups[0]["weight_decay"] == 0.0
+    on_muon = {id(p) for g in muon.param_groups for p in g["params"]}
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[i] for i in on_muon} == {n for n, p in model.named_parameters() if p.dim() == 2 and n != "fc.weight"}
+    fc, gains = adamw.param_groups
+    assert fc["params"] == [model.fc.weight] and fc["weight_decay"] == 0.1
+    assert all(p.dim() == 1 for p in gains["params"]) and gains["weight_decay"] == 0.0
+    assert muon.param_groups[0]["weight_decay"] == 0.1
+    assert len(on_muon) + 1 + len(gains["params"]) == len(list(model.parameters()))
+
+
+def test_feature_noise_scales_with_each_token_and_layer_and_is_the_same_however_rows_are_split():
+    g = torch.Generator().manual_seed(0)
+    lengths, T = [300, 200], 300
+    context = torch.zeros(2, T, 2, 64)
+    for i, n in enumerate(lengths):  # tokens and layers of very different sizes, as a target's are
+        context[i, :n] = torch.randn(n, 2, 64, generator=g) * torch.logspace(-2, 3, n)[:, None, None]
+    valid = torch.arange(T)[None] < torch.tensor(lengths)[:, None]
+
+    def batch(rows):
+        return Batch(*(torch.zeros(len(rows), 1) for _ in range(4)), context[rows].clone(),
+                     torch.arange(T).repeat(len(rows), 1), valid[rows])
+
+    both = batch([0, 1])
+    add_feature_noise(both, 0.3, seed=5, step=7, first_row=0)
+    noise = both.context - context
+    rms = context.pow(2).mean(-1, keepdim=True).sqrt()
+    relative = (noise[0, :300] / rms[0, :300]).pow(2).mean(-1).sqrt()  # per token and layer
+    assert relative.mean().item() == pytest.approx(0.3, rel=0.02) and relative.min().item() > 0.15
+    assert torch.equal(noise[1, 200:], torch.zeros_like(noise[1, 200:]))  # padding stays as it was
+    second = batch([1])  # the second row on a rank of its own: row 1 of the global batch
+    add_feature_noise(second, 0.3, seed=5, step=7, first_row=1)
+    assert torch.equal(second.context[0], both.context[1])
+    other_step = batch([0, 1])
+    add_feature_noise(other_step, 0.3, seed=5, step=8, first_row=0)
+    assert not torch.equal(other_step.context, both.context)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
@@ -365,7 +398,8 @@ def test_failed_run_resumes_to_the_same_weights_while_prefetching(tiny_target_di
     the run fails; the resumed run must draw them again, as an uninterrupted run did (the
     optimizers' state, Muon's momentum included, comes back with the resume point; an AdamW
     resume point in the format from before the optimizer choice still resumes)."""
-    cfg = {**TRAIN_CFG, "steps": 9, "log_every": 3, "save_every": 3, "prefetch": 3, "optimizer": optimizer}
+    cfg = {**TRAIN_CFG, "steps": 9, "log_every": 3, "save_every": 3, "prefetch": 3, "optimizer": optimizer,
+           "feature_noise": 1.0}
     train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "whole", cfg)
 
     lr_at = dflash.train.lr_at
