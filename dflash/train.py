@@ -446,9 +446,9 @@ class Optimizers:
 def add_feature_noise(batch: Batch, scale: float, seed: int, step: int, first_row: int) -> None:
     """Add Gaussian noise to the target features the drafter reads, ``scale`` times each token's
     RMS in each layer: a regularizer for a drafter that sees its rows many times, which otherwise
-    learns their exact features (bench/README.md, "feature noise"). Each row's noise comes from its
-    own seed (run seed, step, row of the global batch), drawn on the batch's device: a resumed
-    run, a prefetching one and one split over ranks draw the same noise."""
+    learns their exact features (bench/README.md, "the input layer off Muon, and feature noise").
+    Each row's noise comes from its own seed (run seed, step, row of the global batch), drawn on
+    the batch's device: a resumed run, a prefetching one and one split over ranks draw the same."""
     generator = torch.Generator(batch.context.device)
     for i, length in enumerate(batch.context_valid.sum(1).tolist()):
         key = hashlib.sha256(f"{seed}/{step}/{first_row + i}".encode()).digest()
@@ -465,7 +465,7 @@ def make_optimizer(model: DFlashDraftModel, lr: float, weight_decay: float, kind
     if kind == "muon":
         # Muon for the hidden matrices only (Keller Jordan's convention): fc, the input layer that
         # reads the target's features, stays on AdamW; Muon there cost 0.13 acceptance on the demo
-        # target (bench/README.md, "the optimizer"). match_rms_adamw: the same lr and schedule suit both.
+        # target (bench/README.md, "the input layer off Muon"). match_rms_adamw: one lr and schedule suit both.
         fc = getattr(model, "module", model).fc.weight  # DDP wraps the drafter; FSDP keeps it
         hidden = [p for p in matrices if p is not fc]
         return Optimizers(torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"),
