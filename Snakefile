@@ -167,6 +167,7 @@ localrules:
     safe_to_destroy,
     pilot,
     plan,
+    eval,
 
 
 wildcard_constraints:

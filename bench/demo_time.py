@@ -2,7 +2,8 @@
 repository's HEAD, then `make demo` (venv, install, the whole pipeline on CPU, 2 cores).
 
 Prints the wall time split into install and pipeline, the stages' own seconds (from the
-`benchmark:` TSVs, as bench/stage_costs.py), and the verdict against the 10-minute target.
+`benchmark:` TSVs, as bench/stage_costs.py), and the verdicts against the targets: 5 minutes in
+all, the pipeline under 3.5.
 Measure on a quiet machine: anything else running shows up in the figure.
 
 Usage: python bench/demo_time.py [--keep DIR] [--cores 2]
@@ -23,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stage_costs import main as stage_costs  # noqa: E402
 
-TARGET_S = 600
+TARGET_S = 300
+PIPELINE_TARGET_S = 210
 
 
 def run(cmd: list[str], cwd: Path, log) -> float:
@@ -58,8 +60,9 @@ def main() -> None:
     print(f"second dry run: {'Nothing to be done' if 'Nothing to be done' in again else 'WORK LEFT'}")
     stage_costs(str(work / "results" / "benchmarks"))
     steps = re.findall(r"(\d+) of (\d+) steps \(100%\) done", log_path.read_text())
-    print(f"jobs: {steps[-1][0] if steps else '?'}; target {TARGET_S / 60:.0f} min: "
-          f"{'met' if total <= TARGET_S else 'MISSED'} (load average now {os.getloadavg()[0]:.2f})")
+    print(f"jobs: {steps[-1][0] if steps else '?'}; target {TARGET_S / 60:.0f} min in all: "
+          f"{'met' if total <= TARGET_S else 'MISSED'}, pipeline under {PIPELINE_TARGET_S / 60:.1f} min: "
+          f"{'met' if pipeline < PIPELINE_TARGET_S else 'MISSED'} (load average now {os.getloadavg()[0]:.2f})")
     if not args.keep:
         shutil.rmtree(work)
 

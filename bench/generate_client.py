@@ -292,7 +292,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from dflash.config import load_config
-    from dflash.target import build_target, load_conversations
+    from dflash.target import build_target
+    from dflash.teach import load_conversations
 
     config = load_config(ROOT / "config.yaml")
     sources = [{**s, "path": str(ROOT / s["path"])} for s in config["prompts"]["sources"]]

@@ -141,7 +141,7 @@ def tokenizer_dir(data: Path) -> Path:
     """The demo tokenizer (byte-level BPE, Qwen's special tokens, Qwen3.6's chat template)."""
     path = data / "tokenizer"
     if not path.exists():
-        from dflash.target import build_tokenizer, load_conversations
+        from dflash.teach import build_tokenizer, load_conversations
 
         tok = build_tokenizer(load_conversations(sorted((ROOT / "data/demo").glob("*.jsonl")), None), 4096)
         tok.save_pretrained(path)

@@ -181,7 +181,7 @@ class Corpus:
 
 def demo_tokenizer(workdir: Path):
     """The demo target's tokenizer, built from the shipped conversations (seconds, no model)."""
-    from dflash.target import build_tokenizer, load_conversations
+    from dflash.teach import build_tokenizer, load_conversations
 
     sources = [ROOT / s["path"] for s in load_config(ROOT / "config.yaml")["prompts"]["sources"]]
     tok = build_tokenizer(load_conversations(sources, split=None), 4096)

@@ -34,7 +34,8 @@ def _prompts(cfg, a):
 def _target(cfg, a):
     from dflash.target import build_target
 
-    build_target(demo_target_sources(cfg), a.out, cfg["target"]["build"])
+    build = {**cfg["target"]["build"], **({"prebuilt": None} if a.teach else {})}
+    build_target(demo_target_sources(cfg), a.out, build, made_by=" ".join(["dflash", *sys.argv[1:]]))
 
 
 def _generate(cfg, a):
@@ -277,7 +278,10 @@ def parser() -> argparse.ArgumentParser:
     target = ("--target", {"type": Path, "required": True, "help": "target model folder"})
     stage("prompts", _prompts, "source files of the config -> prompt shards folder", ("--out", path),
           ("--target", {"type": Path, "help": "target model folder (default: the config's)"}))
-    stage("target", _target, "build and teach the tiny demo target", ("--out", path))
+    stage("target", _target, "build and teach the tiny demo target (or copy target.build.prebuilt when it was made "
+          "from the same config, sources and code)", ("--out", path),
+          ("--teach", {"action": "store_true", "help": "teach even when target.build.prebuilt could be copied (how "
+                                                       "`make demo-target` remakes the shipped target)"}))
     stage("generate", _generate, "prompt shard -> completion shard",
           ("--prompts", path), target, ("--out", path),
           ("--summary", {"type": Path, "help": "also write the shard's summary JSON here"}))

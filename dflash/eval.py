@@ -63,7 +63,7 @@ from transformers import AutoConfig, DynamicCache, PreTrainedModel, Qwen3Config
 from dflash.chat import render, stop_token_ids
 from dflash.drafter import DFlashDraftModel, TargetIO, load_drafter
 from dflash.hidden import capture_layers, decoder_layers, forward_features
-from dflash.target import check_fast_kernels, target_model
+from dflash.models import check_fast_kernels, target_model
 from dflash.train import pick_device
 from dflash.workflow import progress
 
@@ -76,10 +76,11 @@ DEFAULTS = {"max_new_tokens": 96, "block_size": None, "device": "auto", "seed": 
 ENGINES = ("transformers", "vllm")
 
 
-def untrained_drafter(drafter_dir: Path, seed: int = 0) -> tuple[DFlashDraftModel, Qwen3Config]:
-    """A randomly initialised drafter with the config of ``drafter_dir``: the baseline that shows
-    what training adds."""
-    config = Qwen3Config.from_pretrained(drafter_dir)
+def untrained_drafter(drafter: Path | Qwen3Config, seed: int = 0) -> tuple[DFlashDraftModel, Qwen3Config]:
+    """A randomly initialised drafter with the config of the checkpoint folder ``drafter`` (or
+    that config itself, as :func:`dflash.train.drafter_config` makes it before training): the
+    baseline that shows what training adds."""
+    config = drafter if isinstance(drafter, Qwen3Config) else Qwen3Config.from_pretrained(drafter)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return DFlashDraftModel(config), config
@@ -299,7 +300,8 @@ def evaluate(target_dir: Path, drafter_dir: Path | None, prompts: list[dict], cf
              init_only: bool = False, log: logging.Logger | None = None, target: PreTrainedModel | None = None,
              prompt_ids: list[list[int]] | None = None) -> dict:
     """Speculative-decode every prompt; ``drafter_dir=None`` is plain greedy decoding and
-    ``init_only=True`` uses an untrained drafter with the config of ``drafter_dir``. ``target``
+    ``init_only=True`` uses an untrained drafter with the config of ``drafter_dir`` (or that
+    config, given instead of a folder). ``target``
     (the model of ``target_dir``) and ``prompt_ids`` (:func:`encode_prompts`) let several
     evaluations load and render once.
 
@@ -313,16 +315,17 @@ def evaluate(target_dir: Path, drafter_dir: Path | None, prompts: list[dict], cf
     target = load_target(target_dir, cfg) if target is None else target
     prompt_ids = encode_prompts(prompts, tokenizer) if prompt_ids is None else prompt_ids
     drafter = None
+    shown = "of the configured shape" if isinstance(drafter_dir, Qwen3Config) else drafter_dir
     if drafter_dir is not None:
         drafter, config = untrained_drafter(drafter_dir, cfg["seed"]) if init_only else load_drafter(drafter_dir)
-        check_drafter(config, target.config, drafter_dir, cfg["block_size"])
+        check_drafter(config, target.config, shown, cfg["block_size"])
         drafter = drafter.to(target.device, target.dtype).eval()
     io = TargetIO.from_model(target)
     stop_ids = stop_token_ids(tokenizer, target.generation_config)
-    log.info("evaluating %s with drafter %s%s on %d prompts, stop ids %s", target_dir, drafter_dir,
+    log.info("evaluating %s with drafter %s%s on %d prompts, stop ids %s", target_dir, shown,
              " (untrained)" if init_only else "", len(prompts), sorted(stop_ids))
 
-    # the eval job decodes twice, trained and untrained: the console lines say which
+    # two decodings, trained and untrained, run side by side: the console lines say which
     desc = "greedy decode" if drafter is None else f"spec decode, {'untrained' if init_only else 'trained'} drafter"
     decoded = [speculative_generate(target, drafter, io, ids, cfg["max_new_tokens"], stop_ids, cfg["block_size"])
                for ids in progress(prompt_ids, desc=desc, unit="prompt")]
@@ -431,47 +434,58 @@ def check_drafter(config: Qwen3Config, target_config, drafter_dir: Path, block_s
         raise ValueError(f"drafter {drafter_dir} does not fit target: " + "; ".join(problems))
 
 
-def run_eval(checkpoint: Path, target_dir: Path, heldout: Path, out: Path, cfg: dict,
-             server_logs: Path | None = None) -> dict:
-    """The eval stage: the trained drafter and, for scale, an untrained one with the same config,
-    on the held-out prompts; writes the JSON report (token ids left out) and returns it with each
-    sample's ``output_ids`` and ``steps``. With ``engine: vllm`` the servers' logs go to
-    ``server_logs`` (default: beside ``out``)."""
+DRAFTERS = ("trained", "untrained")
+
+
+def decode_heldout(checkpoint: Path | Qwen3Config, target_dir: Path, heldout: Path, cfg: dict, drafter: str,
+                   server_logs: Path | None = None) -> dict:
+    """The held-out prompts decoded with the trained drafter of ``checkpoint`` or, for scale, an
+    untrained one with its config (``drafter``: "trained" or "untrained"; an untrained one may be
+    given its config instead, so that it decodes while the drafter trains): :func:`evaluate`'s
+    result, each sample with its ``output_ids`` and ``steps``. With ``engine: vllm`` the server's
+    log goes to ``server_logs``."""
     from transformers import AutoTokenizer, GenerationConfig
 
     from dflash.drafter import write_drafter_state
-    from dflash.io import write_json
     from dflash.records import checked_records
 
+    if drafter not in DRAFTERS:
+        raise ValueError(f"drafter must be one of {DRAFTERS}, not {drafter!r}")
     cfg = settings(cfg)
     prompts = [rec for _, rec in checked_records(heldout, "prompt", "eval reads the heldout.jsonl.zst of the prompts stage")]
     if not prompts:
         raise ValueError(f"{heldout}: no held-out prompts to evaluate (mark some source records split: heldout)")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompt_ids = encode_prompts(prompts, tokenizer)
-    if cfg["engine"] == "vllm":
-        check_drafter(Qwen3Config.from_pretrained(checkpoint), AutoConfig.from_pretrained(target_dir), checkpoint,
-                      cfg["block_size"])
-        try:
-            generation_config = GenerationConfig.from_pretrained(target_dir)
-        except OSError:  # a target without generation_config.json: the tokenizer's stop ids alone
-            generation_config = None
-        stop_ids = stop_token_ids(tokenizer, generation_config)
-        Path(out).parent.mkdir(parents=True, exist_ok=True)  # the baseline's folder goes there
-        logs = Path(server_logs or Path(out).parent)
-        trained = evaluate_vllm(target_dir, checkpoint, prompts, prompt_ids, cfg, stop_ids, logs, "trained")
-        # the untrained baseline is a checkpoint too: the server reads drafters from folders
-        with tempfile.TemporaryDirectory(dir=Path(out).parent, prefix=".untrained-drafter-") as baseline:
-            model, config = untrained_drafter(checkpoint, cfg["seed"])
-            write_drafter_state(model.state_dict(), config, Path(baseline))
-            untrained = evaluate_vllm(target_dir, Path(baseline), prompts, prompt_ids, cfg, stop_ids, logs,
-                                      "untrained")
-    else:
-        loaded = {"target": load_target(target_dir, cfg), "prompt_ids": prompt_ids}
-        trained = evaluate(target_dir, checkpoint, prompts, cfg, tokenizer, **loaded)
-        untrained = evaluate(target_dir, checkpoint, prompts, cfg, tokenizer, init_only=True, **loaded)
+    if cfg["engine"] != "vllm":
+        return evaluate(target_dir, checkpoint, prompts, cfg, tokenizer, init_only=drafter == "untrained",
+                        prompt_ids=prompt_ids)
+    given = isinstance(checkpoint, Qwen3Config)
+    config = checkpoint if given else Qwen3Config.from_pretrained(checkpoint)
+    check_drafter(config, AutoConfig.from_pretrained(target_dir), "of the configured shape" if given else checkpoint,
+                  cfg["block_size"])
+    try:
+        generation_config = GenerationConfig.from_pretrained(target_dir)
+    except OSError:  # a target without generation_config.json: the tokenizer's stop ids alone
+        generation_config = None
+    stop_ids = stop_token_ids(tokenizer, generation_config)
+    logs = Path(server_logs or Path(heldout).parent)
+    logs.mkdir(parents=True, exist_ok=True)
+    if drafter == "trained":
+        return evaluate_vllm(target_dir, checkpoint, prompts, prompt_ids, cfg, stop_ids, logs, drafter)
+    # the untrained baseline is a checkpoint too: the server reads drafters from folders
+    with tempfile.TemporaryDirectory(dir=logs, prefix=".untrained-drafter-") as baseline:
+        model, config = untrained_drafter(config, cfg["seed"])
+        write_drafter_state(model.state_dict(), config, Path(baseline))
+        return evaluate_vllm(target_dir, Path(baseline), prompts, prompt_ids, cfg, stop_ids, logs, drafter)
+
+
+def eval_result(trained: dict, untrained: dict, cfg: dict) -> dict:
+    """The eval stage's answer from the two decodings (:func:`decode_heldout`), which must agree
+    token for token: speculative decoding is lossless whatever the drafter."""
     if [s["output_ids"] for s in trained["samples"]] != [s["output_ids"] for s in untrained["samples"]]:
         raise RuntimeError("speculative decoding is not lossless: trained and untrained drafters decoded differently")
+    cfg = settings(cfg)
     result = {
         "overall": trained["overall"],
         "per_category": trained["per_category"],
@@ -482,11 +496,30 @@ def run_eval(checkpoint: Path, target_dir: Path, heldout: Path, out: Path, cfg: 
         # the server's environment may hold secrets (a token): its names only
         "settings": {**cfg, "vllm": {**cfg["vllm"], "env": sorted(cfg["vllm"]["env"])}},
     }
-    write_json(out, {**result, "samples": [{k: v for k, v in s.items() if k not in ("output_ids", "steps")}
-                                           for s in trained["samples"]]})
     logging.getLogger(__name__).info(
         "acceptance length (tokens per target forward): trained %.3f, untrained %.3f; per verify step (as vLLM "
         "reports it): trained %.3f, untrained %.3f", trained["overall"]["acceptance_length"],
         untrained["overall"]["acceptance_length"], trained["overall"]["acceptance_length_per_step"],
         untrained["overall"]["acceptance_length_per_step"])
+    return result
+
+
+def write_eval(result: dict, out: Path) -> None:
+    """The eval report as JSON, its samples without token ids and steps."""
+    from dflash.io import write_json
+
+    write_json(out, {**result, "samples": [{k: v for k, v in s.items() if k not in ("output_ids", "steps")}
+                                           for s in result["samples"]]})
+
+
+def run_eval(checkpoint: Path, target_dir: Path, heldout: Path, out: Path, cfg: dict,
+             server_logs: Path | None = None) -> dict:
+    """The eval stage in one process (the pipeline runs the two decodings as two jobs): the trained
+    drafter and an untrained one on the held-out prompts; writes the JSON report (token ids left
+    out) and returns it with each sample's ``output_ids`` and ``steps``. With ``engine: vllm`` the
+    servers' logs go to ``server_logs`` (default: beside ``out``)."""
+    logs = server_logs or Path(out).parent
+    trained, untrained = (decode_heldout(checkpoint, target_dir, heldout, cfg, which, logs) for which in DRAFTERS)
+    result = eval_result(trained, untrained, cfg)
+    write_eval(result, out)
     return result

@@ -72,7 +72,7 @@ class TransformersBackend:
     def __init__(self, target_dir: str | Path, cfg: dict, repetition: dict | None = None):
         import transformers
 
-        from dflash.target import load_target
+        from dflash.models import load_target
 
         self.model, self.tokenizer = load_target(target_dir)
         self.token_screen = TokenScreen(self.tokenizer)

@@ -185,7 +185,7 @@ def capture_shard(tokenized_path: Path, out_path: Path, target_dir: Path, layers
     from transformers import AutoConfig
 
     from dflash.io import atomic_path, load_safetensors
-    from dflash.target import check_fast_kernels, load_target
+    from dflash.models import check_fast_kernels, load_target
     from dflash.train import pick_device
     from dflash.workflow import HIDDEN_FORMAT, progress
 

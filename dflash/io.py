@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import fnmatch
+import hashlib
 import io
 import json
 import os
@@ -568,3 +569,12 @@ def read_json(path: str | os.PathLike):
         raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg}): {REWRITE}") from None
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not UTF-8 text, so not a JSON file: {REWRITE}") from None
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file's bytes, read a megabyte at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -142,7 +142,7 @@ def forecast(config: dict, counts: dict, pilot: dict | None = None, output_token
     jobs = {"prompts": 1, "generate": shards, "validate": shards, "tokenize": shards,
             **({"serve": math.ceil(shards / launch["shards_per_server"])} if launch else {}),
             **({"hidden": shards} if config["train"]["hidden_states"] != "online" else {}),
-            "train": 1, "eval": 1, "qa_summary": 1, "gate": 1, "report": 1}
+            "train": 1, "eval_decode": 2, "eval": 1, "qa_summary": 1, "gate": 1, "report": 1}
     return {"prompts": prompts, "categories": counts["categories"], "counted_from": counts["from"],
             "output_tokens": tokens, "output_tokens_range": [low, high], "output_tokens_from": tokens_from,
             "loop_abort": loop_abort,

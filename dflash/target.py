@@ -1,320 +1,106 @@
-"""The demo target: a tiny Qwen3.6-architecture model built offline and taught the chat format.
+"""The target stage, for the demo's tiny target (with ``target.path`` set in the config it does
+not run: the pipeline uses that model folder).
 
-A random-weight model never closes ``</think>`` nor emits a tool call, so every generation would
-be rejected and the demo would prove nothing. The ``target`` stage therefore
-1. trains a small byte-level BPE tokenizer on the shipped conversations and adds Qwen's special
-   tokens (``<|im_start|>`` etc. special; ``<think>``, ``<tool_call>`` ... as non-special added
-   tokens, exactly as in the real Qwen3.6 vocab, so decoding keeps them as text);
-2. builds a ``qwen3_5_text`` model (GatedDeltaNet linear attention mixed with full attention);
-3. teaches it the conversation format with a short CPU run on the reference assistant turns of
-   the training split, loss on the assistant turn only.
-
-With ``target.path`` set in the config none of this runs: the pipeline uses that model folder.
+Teaching the tiny target (dflash.teach) takes minutes on a CPU, so the demo ships one taught once
+(``data/demo/target``; ``make demo-target`` remakes it) and ``target.build.prebuilt`` names it:
+the stage copies it when its ``provenance.json`` says it was made from the same build config,
+sources and teaching code (:func:`teaching_digests`) and its files are intact, and teaches one
+otherwise, with a warning. Whatever it does, its output gets a ``provenance.json``.
 """
 from __future__ import annotations
 
-import importlib
+import hashlib
+import json
 import logging
-import math
-import random
-import re
-import time
-from importlib import resources
+import platform
+import shutil
+from datetime import datetime, timezone
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
 
-from dflash.io import REWRITE, atomic_dir, iter_jsonl, replace_problem, write_json
-from dflash.workflow import progress
+from dflash import teach
+from dflash.io import atomic_dir, file_sha256, read_json, replace_problem, write_json
 
 log = logging.getLogger(__name__)
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
-# Non-special in Qwen3/3.6: ``skip_special_tokens`` keeps them, and the parsers rely on that.
-TAG_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
-# The Qwen3.5/3.6 pre-tokenizer split (reference/qwen-formats.md section 8).
-QWEN35_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-MASK_TOKEN = "<|mask|>"
+PROVENANCE = "provenance.json"
 
 
-def chat_template() -> str:
-    return resources.files("dflash").joinpath("templates/qwen3_6.jinja").read_text(encoding="utf-8")
+def teaching_digests(sources: list[Path], cfg: dict) -> dict[str, str]:
+    """What decides the taught target, each hashed: the build config (``prebuilt`` aside), the
+    sources' bytes in their order, and the code that builds and teaches (dflash.teach, the chat
+    template). Library versions and the machine are recorded beside them, not compared: teaching
+    again is not bit-for-bit the same on another CPU anyway, as float rounding differs."""
+    def sha256(chunks) -> str:
+        h = hashlib.sha256()
+        for chunk in chunks:
+            h.update(hashlib.sha256(chunk).digest())
+        return h.hexdigest()
+
+    build = {k: v for k, v in cfg.items() if k != "prebuilt"}
+    code = [Path(teach.__file__).read_bytes(), teach.chat_template().encode("utf-8")]
+    return {"build config": sha256([json.dumps(build, sort_keys=True).encode()]),
+            "sources": sha256(Path(p).read_bytes() for p in sources),
+            "teaching code": sha256(code)}
 
 
-def load_conversations(paths: list[Path], split: str | None = "train") -> list[dict]:
-    """Conversations (OpenAI messages + tools) of the given split from JSONL sources."""
-    convs = []
-    for path in paths:
-        for rec in iter_jsonl(path):
-            if split is None or rec.get("split", "train") == split:
-                convs.append(rec)
-    return convs
+def prebuilt_problem(folder: Path, digests: dict[str, str]) -> str | None:
+    """Why the target in ``folder`` is not what teaching would make now (another build config,
+    other sources, other teaching code) or not intact (a file missing or changed since it was
+    made), or None when it can be used as it is."""
+    try:
+        provenance = read_json(folder / PROVENANCE)
+        made_from, files = provenance["digests"], provenance["files"]
+    except FileNotFoundError:
+        return f"{folder / PROVENANCE}: no such file"
+    except (ValueError, KeyError, TypeError) as e:
+        return f"{folder / PROVENANCE}: not a target's provenance ({e})"
+    differ = [what for what, digest in digests.items() if made_from.get(what) != digest]
+    if differ:
+        return f"made from another {' and '.join(differ)} than this run's"
+    for name, digest in files.items():
+        if not (folder / name).is_file() or file_sha256(folder / name) != digest:
+            return f"{folder / name} is missing or changed since the target was made"
+    return None
 
 
-def _wrap(tok):
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=chat_template(),
-        model_max_length=32768,
-        clean_up_tokenization_spaces=False,
-    )
-
-
-def build_tokenizer(conversations: list[dict], vocab_size: int):
-    """A byte-level BPE with the Qwen3.5 pre-tokenizer and Qwen's special and tag tokens.
-
-    The merges are learnt on the conversations as the template renders them, so the system
-    boilerplate of tool prompts and the tool-call XML compress as well as the prose.
-    """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN35_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    renderer = _wrap(Tokenizer(models.BPE()))
-    texts = [renderer.apply_chat_template(c["messages"], tools=c.get("tools"), tokenize=False) for c in conversations]
-    # Tag strings are cut out of the training text: they become single added tokens anyway.
-    tags = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS + TAG_TOKENS))
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS) - len(TAG_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator((piece for t in texts for piece in tags.split(t)), trainer=trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
-    return _wrap(tok)
-
-
-def model_config(cfg: dict, vocab_size: int, eos_ids: list[int], pad_id: int):
-    """``qwen3_5_text`` (Qwen3.6's hybrid: GatedDeltaNet linear attention plus full attention) or
-    plain ``qwen3`` (full attention only), for engines that cannot serve the hybrid on a CPU."""
-    from transformers import Qwen3_5TextConfig, Qwen3Config
-
-    common = dict(vocab_size=vocab_size, hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-                  num_hidden_layers=cfg["num_layers"], num_attention_heads=cfg["num_heads"],
-                  num_key_value_heads=cfg["num_kv_heads"], head_dim=cfg["head_dim"], tie_word_embeddings=False,
-                  eos_token_id=eos_ids, pad_token_id=pad_id, bos_token_id=None, max_position_embeddings=32768)
-    if cfg["architecture"] == "qwen3":
-        return Qwen3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    every = cfg["full_attention_interval"]
-    head_dim = cfg["head_dim"]
-    rotary = head_dim * 0.25 // 2  # partial_rotary_factor 0.25, as in Qwen3.6
-    mrope = [int(rotary - 2 * (rotary // 4)), int(rotary // 4), int(rotary // 4)]
-    return Qwen3_5TextConfig(
-        **common,
-        layer_types=["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(cfg["num_layers"])],
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=head_dim,
-        linear_value_head_dim=head_dim,
-        linear_num_key_heads=cfg["num_kv_heads"],
-        linear_num_value_heads=cfg["num_heads"],
-        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                         "mrope_section": mrope, "mrope_interleaved": True},
-    )
-
-
-def teaching_rows(tokenizer, conversations: list[dict], max_length: int) -> list[tuple[list[int], list[int]]]:
-    """(ids, loss mask) per conversation: loss on the final assistant turn, end-of-turn included."""
-    rows = []
-    for conv in conversations:
-        messages, tools = conv["messages"], conv.get("tools")
-        prompt = tokenizer.apply_chat_template(messages[:-1], tools=tools, add_generation_prompt=True,
-                                               enable_thinking=True, tokenize=False)
-        full = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
-        if not full.startswith(prompt):
-            raise ValueError(f"template boundary unstable for conversation {messages[-2]['content'][:60]!r}")
-        # The trailing newline after <|im_end|> is template framing, not model output.
-        answer = full[len(prompt):].removesuffix("\n")
-        p_ids = tokenizer.encode(prompt, add_special_tokens=False)
-        a_ids = tokenizer.encode(answer, add_special_tokens=False)
-        ids = (p_ids + a_ids)[:max_length]
-        mask = ([0] * len(p_ids) + [1] * len(a_ids))[:max_length]
-        rows.append((ids, mask))
-    return rows
-
-
-def teach(model, rows, cfg: dict, pad_id: int) -> list[dict]:
-    """Short supervised run on the reference turns. Returns the loss log."""
-    rng = random.Random(cfg["seed"])
-    steps, bs = cfg["steps"], cfg["batch_size"]
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0, betas=(0.9, 0.95))
-    warmup = max(1, int(0.05 * steps))
-
-    def lr_at(step):
-        if step < warmup:
-            return cfg["lr"] * (step + 1) / warmup
-        t = (step - warmup) / max(1, steps - warmup)
-        return cfg["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
-    # Batches of similar length: tool prompts are ~5x longer than the rest, and padding every
-    # batch to the longest row would make teaching several times slower.
-    by_length = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
-    batches = [by_length[i:i + bs] for i in range(0, len(by_length), bs)]
-
-    model.train()
-    history, queue = [], []
-    bar = progress(range(steps), desc="teach target", unit="step")
-    for step in bar:
-        if not queue:
-            queue = rng.sample(batches, len(batches))
-        batch = [rows[i] for i in queue.pop()]
-        width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.full((len(batch), width), pad_id)
-        labels = torch.full((len(batch), width), -100)
-        for b, (ids, mask) in enumerate(batch):
-            input_ids[b, : len(ids)] = torch.tensor(ids)
-            labels[b, : len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        loss = model(input_ids=input_ids, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 10 == 0 or step == steps - 1:
-            history.append({"step": step, "loss": round(loss.item(), 4), "lr": lr_at(step)})
-            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-    model.eval()
-    return history
-
-
-def build_target(sources: list[Path], out_dir: Path, cfg: dict) -> dict:
-    """Build, teach and save the tiny target (model + tokenizer + template) into ``out_dir``."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    t0 = time.time()
+def build_target(sources: list[Path], out_dir: Path, cfg: dict, made_by: str = "the target stage") -> dict:
+    """The tiny target (model + tokenizer + template) in ``out_dir``: a copy of ``cfg["prebuilt"]``
+    when that target was made from the same build config, sources and teaching code, else built
+    and taught here. ``made_by`` (the command) goes into its ``provenance.json``."""
     if problem := replace_problem(out_dir, "target"):  # now, not after the teaching
         raise FileExistsError(problem)
-    torch.manual_seed(cfg["teach"]["seed"])
-    everything = load_conversations(sources, split=None)
-    train = [c for c in everything if c.get("split", "train") == "train"]
-    if not train:
-        raise ValueError(f"no training conversations in {', '.join(map(str, sources))}")
-    # The vocabulary sees every shipped text (held-out prompts too, so they do not fall apart into
-    # bytes), but the model is taught on the training split only.
-    tokenizer = build_tokenizer(everything, cfg["vocab_size"])
-    vocab = math.ceil(len(tokenizer) / 64) * 64
-    eos_ids = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
-    pad_id = eos_ids[1]
-    model = AutoModelForCausalLM.from_config(model_config(cfg, vocab, eos_ids, pad_id))
-    rows = teaching_rows(tokenizer, train, cfg["teach"]["max_length"])
-    log.info("target: %d params, vocab %d, %d teaching rows (%d tokens, %d supervised)",
-             sum(p.numel() for p in model.parameters()), vocab, len(rows),
-             sum(len(r[0]) for r in rows), sum(sum(r[1]) for r in rows))
-    history = teach(model, rows, cfg["teach"], pad_id)
-    model.generation_config = GenerationConfig(
-        eos_token_id=eos_ids, pad_token_id=pad_id, do_sample=True,
-        **cfg["sampling_defaults"],
-    )
+    digests = teaching_digests(sources, cfg)
+    if cfg.get("prebuilt"):
+        prebuilt = Path(cfg["prebuilt"])
+        problem = prebuilt_problem(prebuilt, digests)
+        if problem is None:
+            return copy_prebuilt(prebuilt, out_dir)
+        log.warning("target: not using the prebuilt target %s (%s): teaching one here, minutes on a CPU "
+                    "(`make demo-target` remakes the shipped one)", prebuilt, problem)
     with atomic_dir(out_dir, "target") as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        summary = {
-            "params": sum(p.numel() for p in model.parameters()),
-            "vocab_size": vocab,
-            "teaching_rows": len(rows),
-            "teach_first_loss": history[0]["loss"],
-            "teach_final_loss": history[-1]["loss"],
-            "seconds": round(time.time() - t0, 1),
-            "history": history,
-        }
-        write_json(tmp / "build_summary.json", summary)
-    log.info("target: taught in %.0f s, loss %.3f -> %.3f", summary["seconds"],
-             summary["teach_first_loss"], summary["teach_final_loss"])
+        summary = teach.teach_target(sources, tmp, cfg)
+        write_json(tmp / PROVENANCE, {
+            "made_by": made_by,
+            "made_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "digests": digests,
+            "files": {p.name: file_sha256(p) for p in sorted(tmp.iterdir())},
+            "made_with": {"python": platform.python_version(), "torch": torch.__version__,
+                          "transformers": version("transformers"), "machine": platform.machine(),
+                          "torch_threads": torch.get_num_threads()},
+        })
     return summary
 
 
-def target_model(path: str | Path, dtype=torch.float32):
-    """The model of a model folder, in eval mode; weights cut short or damaged are one line naming
-    the folder (safetensors' own error names no file)."""
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
-
-    try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    except SafetensorError as e:
-        raise ValueError(f"{path}: a weights file of the model is cut short or damaged ({e}): {REWRITE}") from None
-
-
-def load_target(path: str | Path, dtype=torch.float32):
-    """(model, tokenizer) from a model folder, in eval mode."""
-    from transformers import AutoTokenizer
-
-    return target_model(path, dtype), AutoTokenizer.from_pretrained(path)
-
-
-# What transformers' GatedDeltaNet imports for its fast path (import name: distribution).
-FAST_KERNELS = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
-FAST_KERNEL_POLICIES = ("require", "warn")
-
-
-def kernel_choices(config) -> dict[str, bool]:
-    """{import name: whether transformers uses its kernel} as the modeling file of ``config``'s
-    model type decided when it was imported; {} for a model type without such fallbacks.
-
-    transformers (5.19 to 5.23) wraps each kernel function in ``use_kernel_func_from_hub_with_fallback``,
-    which tries the import once and keeps the answer in the wrapper's closure; reading it there
-    agrees with what the model will run, even where the package is installed but fails to import.
-    """
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
-
-    name = model_type_to_module_name(config.model_type)
-    try:
-        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-    except ImportError:  # a model type of remote code or of another library: nothing to read
-        return {}
-    chosen: dict[str, bool] = {}
-    for fn in vars(module).values():
-        code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
-        if code is None or not cells or not {"package", "is_new_implementation"} <= set(code.co_freevars):
-            continue
-        closure = {n: c.cell_contents for n, c in zip(code.co_freevars, cells)}
-        package = closure["package"]
-        chosen[package] = chosen.get(package, True) and bool(closure["is_new_implementation"])
-    return chosen
-
-
-def fast_kernels_problem(model_or_config, device: torch.device | str) -> str | None:
-    """One line when a hybrid target (linear-attention layers) on CUDA would run transformers'
-    reference PyTorch path for want of its kernels; None on CPU, for a full-attention target, or
-    when transformers found every kernel."""
-    if torch.device(device).type != "cuda":
-        return None
-    config = getattr(model_or_config, "config", model_or_config)
-    if "linear_attention" not in (getattr(config.get_text_config(), "layer_types", None) or []):
-        return None
-    missing = [p for p, found in kernel_choices(config).items() if not found]
-    if not missing:
-        return None
-    ordered = [p for p in FAST_KERNELS if p in missing] + [p for p in missing if p not in FAST_KERNELS]
-    names = " and ".join(f"{FAST_KERNELS.get(p, p)} ({p})" for p in ordered)
-    return (f"hybrid target ({config.model_type}) on CUDA without its fast kernels: transformers could not import "
-            f"{names}, so its linear-attention layers would run the slow reference PyTorch path; install the gpu "
-            f"extra: pip install -e '.[gpu]', or use envs/gpu.yaml; or set target.fast_kernels: warn to run anyway "
-            f"on the slow path")
-
-
-def check_fast_kernels(model_or_config, device: torch.device | str, policy: str,
-                       log: logging.Logger | None = None) -> None:
-    """``target.fast_kernels``: "require" raises ValueError with :func:`fast_kernels_problem`'s line,
-    "warn" logs it."""
-    if policy not in FAST_KERNEL_POLICIES:
-        raise ValueError(f"target.fast_kernels must be one of {', '.join(FAST_KERNEL_POLICIES)}, not {policy!r}")
-    problem = fast_kernels_problem(model_or_config, device)
-    if problem is None:
-        return
-    if policy == "require":
-        raise ValueError(problem)
-    (log or logging.getLogger(__name__)).warning(problem)
+def copy_prebuilt(prebuilt: Path, out_dir: Path) -> dict:
+    provenance = read_json(prebuilt / PROVENANCE)
+    with atomic_dir(out_dir, "target") as tmp:
+        for name in [*provenance["files"], PROVENANCE]:
+            shutil.copyfile(prebuilt / name, tmp / name)
+    summary = read_json(Path(out_dir) / "build_summary.json")
+    log.info("target: copied %s (made by `%s` on %s, taught %d steps to loss %.3f): the build config, sources and "
+             "teaching code it was made from are this run's", prebuilt, provenance["made_by"],
+             provenance["made_at"][:10], summary["history"][-1]["step"] + 1, summary["teach_final_loss"])
+    return summary

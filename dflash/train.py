@@ -87,7 +87,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, Qwen3Config
 
 from dflash.hidden import cached_features, check_token_ids, features_and_greedy, forward_features
 from dflash.objective import LABELS, WEIGHTS, block_labels, block_loss, supervision
@@ -95,8 +95,8 @@ from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config, write_
 from dflash.serving import serving_problems
 from dflash.errors import RANK_ERRORS, first_rank_error, rank_error_recorded
 from dflash.io import atomic_dir, atomic_path, load_safetensors, open_safetensors, read_json, replace_problem
-from dflash.target import check_fast_kernels
-from dflash.workflow import CONSOLE_FD, job_console, progress
+from dflash.models import check_fast_kernels
+from dflash.workflow import CONSOLE_FD, drafter_train_cfg, job_console, progress
 
 REQUIRED = object()
 DEFAULTS: dict[str, Any] = {
@@ -137,6 +137,23 @@ ARCH_KEYS = ("num_layers", "intermediate_size", "num_heads", "num_kv_heads", "he
 # Sizes that default to the target's own.
 _FROM_TARGET = {"intermediate_size": "intermediate_size", "num_heads": "num_attention_heads",
                 "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim"}
+
+
+def drafter_config(cfg: dict, target_config) -> Qwen3Config:
+    """The config a drafter trained with ``cfg`` (the trainer's settings) on a target of
+    ``target_config`` (its text config) gets: what its checkpoint carries, known before training."""
+    arch = {k: cfg[k] for k in ARCH_KEYS}
+    for key, target_key in _FROM_TARGET.items():
+        if arch[key] is None:
+            arch[key] = getattr(target_config, target_key)
+    return make_draft_config(target_config, **arch)
+
+
+def planned_drafter_config(drafter: dict, target_dir: str | Path) -> Qwen3Config:
+    """:func:`drafter_config` from the pipeline config's ``drafter`` section alone (the train
+    section shapes no weight matrix): the untrained baseline's, decoded before training ends."""
+    cfg = resolve_cfg(drafter_train_cfg({"drafter": drafter, "train": {}}, target_dir))
+    return drafter_config(cfg, AutoConfig.from_pretrained(target_dir).get_text_config())
 
 
 def resolve_cfg(cfg: dict) -> dict:
@@ -416,6 +433,43 @@ def lr_at(step: int, steps: int, lr: float, warmup_ratio: float, min_lr_ratio: f
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+class Muon(torch.optim.Muon):
+    """torch's Muon, with its Newton-Schulz orthogonalization in float32 off CUDA. torch runs it in
+    bfloat16 on every device, which a CPU without bfloat16 matrix units (the demo's AVX2 machines)
+    emulates: 60% of a demo training step went there, 2.4x the step. On CUDA it is torch's own
+    step; elsewhere the same update (momentum, Nesterov, the quintic iteration, the lr adjustment,
+    decoupled decay) on the same state, so a resume point carries over."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if any(p.is_cuda for group in self.param_groups for p in group["params"]):
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            a, b, c = group["ns_coefficients"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+                tall = update.size(0) > update.size(1)
+                x = update.float().T if tall else update.float()
+                x = x / x.norm().clamp(min=group["eps"])  # spectral norm at most 1
+                for _ in range(group["ns_steps"]):
+                    gram = x @ x.T
+                    x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+                rows, cols = p.shape[:2]
+                adjust = {"match_rms_adamw": 0.2 * math.sqrt(max(rows, cols)),
+                          "original": math.sqrt(max(1, rows / cols)), None: math.sqrt(max(1, rows / cols))}
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_((x.T if tall else x).to(p.dtype), alpha=-group["lr"] * adjust.get(group["adjust_lr_fn"], 1.0))
+        return loss
+
+
 class Optimizers:
     """Several optimizers stepped as one: Muon moves the hidden matrices, AdamW the rest."""
 
@@ -468,7 +522,7 @@ def make_optimizer(model: DFlashDraftModel, lr: float, weight_decay: float, kind
         # target (bench/README.md, "the input layer off Muon"). match_rms_adamw: one lr and schedule suit both.
         fc = getattr(model, "module", model).fc.weight  # DDP wraps the drafter; FSDP keeps it
         hidden = [p for p in matrices if p is not fc]
-        return Optimizers(torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"),
+        return Optimizers(Muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"),
                           torch.optim.AdamW([{"params": [fc], "weight_decay": weight_decay},
                                              {"params": gains, "weight_decay": 0.0}], lr=lr))
     return Optimizers(torch.optim.AdamW([{"params": matrices, "weight_decay": weight_decay},
@@ -617,11 +671,7 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
     target_config = AutoConfig.from_pretrained(target_dir).get_text_config()
     if cfg["hidden_states"] == "online":  # the target runs here: stop now, not after minutes of loading
         check_fast_kernels(target_config, device, cfg["fast_kernels"], log)
-    arch = {k: cfg[k] for k in ARCH_KEYS}
-    for key, target_key in _FROM_TARGET.items():
-        if arch[key] is None:
-            arch[key] = getattr(target_config, target_key)
-    config = make_draft_config(target_config, **arch)
+    config = drafter_config(cfg, target_config)
     if main:  # before the hours of training, not after
         for problem in serving_problems(config.to_dict()):
             log.warning("serving: %s", problem)
@@ -641,7 +691,7 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
     fingerprint = run_fingerprint(cfg, tokenized, target_dir)
     online = None
     if cfg["hidden_states"] == "online":  # the frozen target computes each drawn row's features
-        from dflash.target import load_target
+        from dflash.models import load_target
 
         online = load_target(target_dir, torch.bfloat16 if device.type == "cuda" else torch.float32)[0].to(device)
         online.requires_grad_(False)

@@ -4,4 +4,4 @@ start_job(snakemake)
 
 from dflash.target import build_target  # noqa: E402
 
-build_target(list(snakemake.input), snakemake.output[0], snakemake.params.build)
+build_target(list(snakemake.input.sources), snakemake.output[0], snakemake.params.build)

@@ -38,11 +38,11 @@ def demo_sources(demo_config) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def target_dir(tmp_path_factory, demo_config, demo_sources) -> Path:
-    """The demo target, built for real but taught only briefly (the tests need its format, not its quality)."""
+    """The demo's target as its target stage makes it: a copy of the shipped one (data/demo/target),
+    which tests/test_target.py checks is what the demo's config, sources and code would teach."""
     from dflash.target import build_target
 
-    cfg = copy.deepcopy(demo_config["target"]["build"])
-    cfg["teach"]["steps"] = 40
+    cfg = {**demo_config["target"]["build"], "prebuilt": str(ROOT / demo_config["target"]["build"]["prebuilt"])}
     out = tmp_path_factory.mktemp("target") / "target"
     build_target([Path(s["path"]) for s in demo_sources], out, cfg)
     return out
@@ -57,6 +57,7 @@ def qwen3_target(tmp_path_factory, demo_config, demo_sources) -> Path:
     cfg = copy.deepcopy(demo_config["target"]["build"])
     cfg["architecture"] = "qwen3"
     cfg["teach"]["steps"] = 30
+    cfg["prebuilt"] = None  # the shipped one is the hybrid
     out = tmp_path_factory.mktemp("q3") / "target"
     build_target([Path(s["path"]) for s in demo_sources], out, cfg)
     return out
@@ -64,7 +65,7 @@ def qwen3_target(tmp_path_factory, demo_config, demo_sources) -> Path:
 
 @pytest.fixture(scope="session")
 def target(target_dir):
-    from dflash.target import load_target
+    from dflash.models import load_target
 
     return load_target(target_dir)
 

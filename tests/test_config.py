@@ -10,7 +10,7 @@ from tests.conftest import ROOT
 
 def test_shipped_config_is_valid_and_gets_defaults():
     cfg = load_config(ROOT / "config.yaml")
-    assert cfg["prompts"]["shard_size"] == 50
+    assert cfg["prompts"]["shard_size"] == 104
     assert cfg["validate"]["checks"]["trivial"] == "reject"
     assert cfg["train"]["grad_clip"] == 1.0  # not in config.yaml: filled from the schema
     assert cfg["target"]["path"] is None

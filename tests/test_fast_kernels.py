@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash import eval as dflash_eval
 from dflash.config import ConfigError, check_config
-from dflash.target import check_fast_kernels, fast_kernels_problem, kernel_choices
+from dflash.models import check_fast_kernels, fast_kernels_problem, kernel_choices
 
 CUDA = torch.device("cuda")
 KERNELS_HERE = any(importlib.util.find_spec(m) for m in ("fla", "causal_conv1d"))
@@ -58,9 +58,9 @@ def test_nothing_on_cpu_for_full_attention_or_with_the_kernels(monkeypatch):
     assert fast_kernels_problem(hybrid(), torch.device("cpu")) is None
     assert fast_kernels_problem(hybrid(), "cpu") is None
     assert fast_kernels_problem(full_attention(), CUDA) is None
-    monkeypatch.setattr("dflash.target.kernel_choices", lambda config: {"fla": True, "causal_conv1d": True})
+    monkeypatch.setattr("dflash.models.kernel_choices", lambda config: {"fla": True, "causal_conv1d": True})
     assert fast_kernels_problem(hybrid(), CUDA) is None
-    monkeypatch.setattr("dflash.target.kernel_choices", lambda config: {"fla": True, "causal_conv1d": False})
+    monkeypatch.setattr("dflash.models.kernel_choices", lambda config: {"fla": True, "causal_conv1d": False})
     line = fast_kernels_problem(hybrid(), CUDA)
     assert "import causal-conv1d (causal_conv1d), so" in line and "flash-linear-attention" not in line
 

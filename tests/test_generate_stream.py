@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from dflash.generate import IncrementalText, OpenAIBackend
-from dflash.target import build_tokenizer, load_conversations
+from dflash.teach import build_tokenizer, load_conversations
 
 
 @pytest.fixture(scope="module")

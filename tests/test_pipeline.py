@@ -83,7 +83,8 @@ def test_whole_chain_runs_and_writes_every_stage(pipeline):
     assert re.search(r"^kept: \d+ of 32 completions kept", tail, re.M) and "acceptance length: " in tail
     assert "report: results/report/summary.html" in tail
     assert "Output length per category" in (res / "report" / "qa.html").read_text()
-    for rule in ("prompts", "target", "train/demo", "eval/demo", "report", "gate", "qa_summary", "qa_report"):
+    for rule in ("prompts", "target", "train/demo", "eval/demo", "eval/demo.trained", "eval/demo.untrained", "report",
+                 "gate", "qa_summary", "qa_report"):
         assert (res / "logs" / f"{rule}.log").exists(), rule
 
 
@@ -221,8 +222,8 @@ def test_excluded_ids_rerun_only_the_shards_holding_them(pipeline, tmp_path):
     jobs = planned_jobs(out)
     assert {(rule, s) for rule, s in jobs if s is not None} == {
         (r, s) for r in ("validate", "tokenize", "hidden") for s in ("00000", "00002")}
-    assert {rule for rule, s in jobs if s is None} == {"qa_summary", "gate", "qa_report", "train", "eval", "report",
-                                                       "all"}
+    assert {rule for rule, s in jobs if s is None} == {"qa_summary", "gate", "qa_report", "train", "eval_decode", "eval",
+                                                       "report", "all"}
 
     # For real, in a copy: the listed records land in rejected/ with their reasons, nothing is lost.
     copy = tmp_path / "copy"
@@ -276,8 +277,8 @@ def test_changing_one_prompt_shard_reruns_only_that_shard(pipeline):
     per_shard = {(rule, s) for rule, s in jobs if s is not None}
     assert per_shard == {(r, "00001") for r in ("generate", "validate", "tokenize", "hidden")}
     # the gate sees the changed QA; the other shards keep their hidden states (the gate is ancient() there)
-    assert {rule for rule, s in jobs if s is None} == {"qa_summary", "gate", "qa_report", "train", "eval", "report",
-                                                       "all"}
+    assert {rule for rule, s in jobs if s is None} == {"qa_summary", "gate", "qa_report", "train", "eval_decode", "eval",
+                                                       "report", "all"}
 
 
 def test_killed_training_resumes_to_the_same_weights(pipeline, tmp_path):

@@ -77,9 +77,9 @@ def test_demo_through_the_b200_profile(slurm, tmp_path, demo_sources, target_dir
     res = tmp_path / "results"
     assert (res / "report" / "summary.html").exists() and (res / "eval" / "demo.json").exists()
     calls = sbatch_calls(out)
-    assert set(calls) == {"prompts", "generate", "validate", "tokenize", "hidden", "train", "eval"}, set(calls)
-    assert len(calls["generate"]) == len(calls["hidden"]) == 2
-    for rule, mem, runtime in [("generate", 2000, 1440), ("hidden", 200000, 240), ("eval", 200000, 120)]:
+    assert set(calls) == {"prompts", "generate", "validate", "tokenize", "hidden", "train", "eval_decode"}, set(calls)
+    assert len(calls["generate"]) == len(calls["hidden"]) == len(calls["eval_decode"]) == 2
+    for rule, mem, runtime in [("generate", 2000, 1440), ("hidden", 200000, 240), ("eval_decode", 200000, 120)]:
         for call in calls[rule]:
             assert " -p b200 " in call and "--gpus=b200:1" in call and f"--mem {mem} " in call, call
             assert f" -t {runtime} " in call and "--cpus-per-gpu=12" in call or rule == "generate", call
@@ -107,7 +107,7 @@ def test_started_server_holds_a_whole_rtx_node(slurm, tmp_path, demo_sources, ta
     out = run(tmp_path, "slurm-rtxpro6000", "--verbose")
     assert (tmp_path / "results" / "report" / "summary.html").exists()
     calls = sbatch_calls(out)
-    for call in calls["hidden"] + calls["eval"] + calls["train"]:
+    for call in calls["hidden"] + calls["eval_decode"] + calls["train"]:
         assert " -p rtxpro6000 " in call and "--gpus=rtx_pro_6000:1" in call and "--cpus-per-gpu=8" in call, call
     assert all("--mem 100000 " in c and " -t 480 " in c for c in calls["hidden"]), calls["hidden"]
     group = [c for rule, lines in calls.items() if "serve" in rule for c in lines]

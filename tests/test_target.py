@@ -1,9 +1,13 @@
+import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from dflash.io import read_json
+from dflash.target import build_target, prebuilt_problem, teaching_digests
+from tests.conftest import ROOT
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"},
@@ -91,3 +95,38 @@ def test_target_is_hybrid_qwen35_and_was_taught(target, target_dir):
     with torch.no_grad():
         logits = model(torch.tensor([tok.encode("<|im_start|>user\nHi<|im_end|>\n", add_special_tokens=False)])).logits
     assert logits.shape[-1] == cfg.vocab_size and torch.isfinite(logits).all()
+
+
+def test_the_shipped_target_is_what_the_demo_would_teach(demo_config, demo_sources):
+    """data/demo/target was made by `make demo-target` from the demo's build config, sources and
+    teaching code as they are now, and is intact: the demo's target stage copies it instead of
+    teaching for minutes. (Teaching again is not bit-for-bit the same on another CPU: what makes it
+    trustworthy is what it was made from, and its files' digests.)"""
+    cfg = demo_config["target"]["build"]
+    shipped = ROOT / cfg["prebuilt"]
+    digests = teaching_digests([Path(s["path"]) for s in demo_sources], cfg)
+    assert prebuilt_problem(shipped, digests) is None, (
+        f"{prebuilt_problem(shipped, digests)}: run `make demo-target` and commit data/demo/target")
+    provenance = read_json(shipped / "provenance.json")
+    assert provenance["made_by"] == "dflash target --threads 2 --out data/demo/target --teach"  # make demo-target
+    assert set(provenance["files"]) >= {"model.safetensors", "config.json", "tokenizer.json", "build_summary.json"}
+    size = sum((shipped / name).stat().st_size for name in provenance["files"])
+    assert size < 16 * 2**20, f"the shipped target is {size / 2**20:.1f} MiB"
+
+
+def test_a_prebuilt_target_of_another_config_or_changed_is_taught_instead(tmp_path, demo_config, demo_sources, caplog):
+    cfg = {**copy.deepcopy(demo_config["target"]["build"]), "prebuilt": str(ROOT / demo_config["target"]["build"]["prebuilt"])}
+    sources = [Path(s["path"]) for s in demo_sources]
+    cfg["teach"]["steps"] = 2
+    summary = build_target(sources, tmp_path / "target", cfg, made_by="a test")
+    assert "not using the prebuilt target" in caplog.text and "made from another build config than this run's" in caplog.text
+    assert summary["history"][-1]["step"] == 1  # taught, 2 steps
+    provenance = read_json(tmp_path / "target" / "provenance.json")
+    assert provenance["made_by"] == "a test" and provenance["digests"] == teaching_digests(sources, cfg)
+    # what a taught target records lets the stage copy it next time, until a file of it changes
+    assert prebuilt_problem(tmp_path / "target", teaching_digests(sources, cfg)) is None
+    tokenizer = tmp_path / "target" / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text().replace("<think>", "<thing>", 1))
+    assert prebuilt_problem(tmp_path / "target", teaching_digests(sources, cfg)) == (
+        f"{tokenizer} is missing or changed since the target was made")
+    assert "sources" in prebuilt_problem(tmp_path / "target", teaching_digests(sources[:2], cfg))

@@ -349,6 +349,30 @@ def test_train_is_deterministic_with_or_without_prefetch(tiny_target_dir, shards
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("adjust", ["match_rms_adamw", "original", None])
+def test_muon_on_a_cpu_takes_torch_s_step_in_float32(adjust):
+    """dflash.train.Muon off CUDA: torch's update (momentum, Nesterov, Newton-Schulz, lr adjustment,
+    decay) with the orthogonalization in float32, so it differs from torch's by the rounding of
+    torch's bfloat16 only; the same state, so the two load each other's."""
+    from dflash.train import Muon
+
+    torch.manual_seed(0)
+    start = [torch.randn(96, 128), torch.randn(256, 64)]  # wide and tall
+    ours, theirs = ([w.clone().requires_grad_() for w in start] for _ in range(2))
+    kw = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": adjust}
+    mine, torchs = Muon(ours, **kw), torch.optim.Muon(theirs, **kw)
+    for _ in range(3):
+        grads = [torch.randn_like(w) for w in start]
+        for params, opt in ((ours, mine), (theirs, torchs)):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+    for a, b, w in zip(ours, theirs, start):
+        moved = (b - w).norm()
+        assert moved > 0 and ((a - w) - (b - w)).norm() / moved < 0.02
+    torchs.load_state_dict(mine.state_dict())
+
+
 def test_muon_moves_the_hidden_matrices_and_adamw_the_input_projection_and_the_gains():
     from tests.test_drafter import draft
     model = draft()
