@@ -6,12 +6,13 @@ CORES ?= 2
 
 .PHONY: install demo demo-target test clean speculators-venv specforge-venv
 
-# pip fetches only uv, which installs the rest from the same registry several times faster (22 s
-# against 115 s for the demo's packages here, caches cold); PIP_FIND_LINKS (a local wheel folder,
-# such as a CPU torch) reaches it too. The demo gets what the pipeline needs; the tests' tools
+# pip fetches only uv, which installs the rest from the same registry several times faster;
+# PIP_FIND_LINKS (a local wheel folder, such as a CPU torch) reaches it too. Compiled to bytecode
+# here, as pip does: else the demo's first jobs, side by side, each compile torch's modules on
+# import (2 minutes more of pipeline). The demo gets what the pipeline needs; the tests' tools
 # (moto, a SLURM plugin, `transformers serve`) come with `make test`.
-UV_INSTALL = VIRTUAL_ENV=$(VENV) $(BIN)/uv pip install -q $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) \
-	--index-strategy unsafe-best-match
+UV_INSTALL = VIRTUAL_ENV=$(VENV) $(BIN)/uv pip install -q --compile-bytecode \
+	$(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) --index-strategy unsafe-best-match
 $(BIN)/dflash: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q uv
