@@ -62,8 +62,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash.cache_size import GREEDY_BYTES, cache_bytes, resolve_layer_ids
 from dflash.config import load_config
-from dflash.hidden import DTYPES, GREEDY_BYTES, cache_bytes, capture_shard, resolve_layer_ids
+from dflash.hidden import DTYPES, capture_shard
 from dflash.io import human_bytes
 from dflash.workflow import HIDDEN_FORMAT, layer_selection
 

@@ -33,6 +33,7 @@ from transformers import PretrainedConfig, Qwen3Config
 from transformers.activations import ACT2FN
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from dflash.cache_size import build_target_layer_ids
 from dflash.io import atomic_dir, atomic_path, load_safetensors, open_safetensors, read_json
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -46,24 +47,6 @@ _TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_inter
 # ---------------------------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------------------------
-
-def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """The reference choice of target layers: the middle one for a 1-layer draft, else evenly
-    spaced from layer 1 to layer N-3."""
-    if num_draft_layers < 1:
-        raise ValueError(f"num_draft_layers must be >= 1, got {num_draft_layers}")
-    if num_draft_layers == 1:
-        ids = [num_target_layers // 2]
-    else:
-        start, end = 1, num_target_layers - 3
-        ids = [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
-    if len(set(ids)) != len(ids) or not all(0 <= i < num_target_layers for i in ids):
-        raise ValueError(
-            f"the default target layers for {num_draft_layers} draft layers on a {num_target_layers}-layer "
-            f"target are {ids} (duplicated or out of range); set target_layer_ids explicitly"
-        )
-    return ids
-
 
 def make_draft_config(
     target_config: PretrainedConfig,

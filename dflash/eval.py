@@ -15,27 +15,7 @@ the accepted positions alone (:class:`CachedTarget`). The reference (``dflash`` 
 keys, values and convolution states, so on a hybrid target it goes on from a state that has seen
 the rejected tokens, and its later tokens are not the target's greedy ones.
 
-Two figures, both reported overall and per category:
-
-- ``acceptance_length``: tokens per target forward, the prefill forward (which yields the first
-  token) included; 1.0 without a drafter. What the drafter saves in target forwards.
-- ``acceptance_length_per_step``: 1 + accepted draft tokens / verify steps that drafted, the
-  prefill left out: the figure vLLM reports as "mean acceptance length" (``vllm:spec_decode_*``
-  counters, ``metrics.speculative_decoding``) and the papers as tau. It reads higher than the
-  first, most on short outputs. Compare published figures with this one.
-
-``cfg`` keys:
-    max_new_tokens: int = 96     tokens generated per prompt at most
-    block_size: int | None = None   tokens per block (anchor + drafted); None = the drafter's
-                                 config; may be smaller than it, not larger
-    device: str = "auto"         "auto" = cuda when available, else cpu
-    seed: int = 0                initialisation of the untrained (``init_only``) drafter
-    fast_kernels: str = "require"  ``target.fast_kernels``: a hybrid target on CUDA without its
-                                 linear-attention kernels stops the job ("require") or only warns ("warn")
-    engine: str = "transformers"  "vllm": decode through a vLLM server instead (see below)
-    vllm: dict                   with engine vllm: ``command`` (placeholders {model}, {host}, {port},
-                                 {served_model_name}, {speculative_config}), ``env``,
-                                 ``startup_timeout_s``, ``concurrency`` (requests in flight)
+The figures and the settings: :mod:`dflash.acceptance`.
 
 With ``engine: vllm`` the job measures what the serving engine sees: it starts a vLLM server with
 the trained drafter (``--speculative-config``, ``num_speculative_tokens`` = block size - 1), then one
@@ -60,21 +40,13 @@ from typing import NamedTuple
 import torch
 from transformers import AutoConfig, DynamicCache, PreTrainedModel, Qwen3Config
 
+from dflash.acceptance import eval_result, per_step, settings, summaries, write_eval
 from dflash.chat import render, stop_token_ids
 from dflash.drafter import DFlashDraftModel, TargetIO, load_drafter
 from dflash.hidden import capture_layers, decoder_layers, forward_features
 from dflash.models import check_fast_kernels, target_model
 from dflash.train import pick_device
 from dflash.workflow import progress
-
-VLLM_COMMAND = ("vllm serve {model} --host {host} --port {port} --served-model-name {served_model_name} "
-                "--speculative-config {speculative_config} --per-request-spec-decode-metrics detailed "
-                "--generation-config vllm --no-enable-prefix-caching")
-DEFAULTS = {"max_new_tokens": 96, "block_size": None, "device": "auto", "seed": 0, "fast_kernels": "require",
-            "engine": "transformers",
-            "vllm": {"command": VLLM_COMMAND, "env": {}, "startup_timeout_s": 1800, "concurrency": 8}}
-ENGINES = ("transformers", "vllm")
-
 
 def untrained_drafter(drafter: Path | Qwen3Config, seed: int = 0) -> tuple[DFlashDraftModel, Qwen3Config]:
     """A randomly initialised drafter with the config of the checkpoint folder ``drafter`` (or
@@ -243,39 +215,6 @@ def speculative_generate(target: PreTrainedModel, drafter: DFlashDraftModel | No
     return Decoded(new, forwards, steps)
 
 
-def per_step(drafts: int, accepted: int) -> float:
-    """vLLM's mean acceptance length: 1 + accepted draft tokens per verify step that drafted."""
-    return 1 + accepted / drafts if drafts else 1.0
-
-
-def summarize(samples: list[dict]) -> dict:
-    tokens = sum(s["tokens"] for s in samples)
-    forwards = sum(s["target_forwards"] for s in samples)
-    drafts, accepted = sum(s["drafts"] for s in samples), sum(s["accepted_draft_tokens"] for s in samples)
-    # plain greedy decoding runs one target forward per new token
-    return {"acceptance_length": tokens / forwards, "acceptance_length_per_step": per_step(drafts, accepted),
-            "prompts": len(samples), "target_forwards": forwards, "tokens": tokens, "drafts": drafts,
-            "accepted_draft_tokens": accepted, "plain_forwards": tokens, "forwards_saved": tokens - forwards,
-            "forwards_saved_share": (tokens - forwards) / tokens if tokens else 0.0}
-
-
-def settings(cfg: dict) -> dict:
-    """``cfg`` checked and completed with the defaults."""
-    unknown = sorted(set(cfg) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(f"unknown eval settings: {unknown}")
-    cfg = {**DEFAULTS, **cfg, "vllm": {**DEFAULTS["vllm"], **(cfg.get("vllm") or {})}}
-    if cfg["max_new_tokens"] < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {cfg['max_new_tokens']}")
-    if cfg["engine"] not in ENGINES:
-        raise ValueError(f"eval.engine must be one of {ENGINES}, got {cfg['engine']!r}")
-    missing = [p for p in ("{model}", "{port}", "{speculative_config}") if p not in cfg["vllm"]["command"]]
-    if cfg["engine"] == "vllm" and missing:
-        raise ValueError(f"eval.vllm.command lacks {', '.join(missing)}: the server must serve the target with "
-                         f"the drafter on the port the job gives it")
-    return cfg
-
-
 def load_target(target_dir: Path, cfg: dict) -> PreTrainedModel:
     device = pick_device(cfg["device"])
     # on the config: a large target would take minutes to load before the job stops
@@ -343,12 +282,7 @@ def tally(prompts: list[dict], decoded: list[Decoded]) -> dict:
                         "acceptance_length": len(out) / forwards, "tokens": len(out), "target_forwards": forwards,
                         "acceptance_length_per_step": per_step(len(steps), accepted), "drafts": len(steps),
                         "accepted_draft_tokens": accepted, "output_ids": out, "steps": steps})
-    categories = sorted({s["category"] for s in samples})
-    return {
-        "overall": summarize(samples),
-        "per_category": {c: summarize([s for s in samples if s["category"] == c]) for c in categories},
-        "samples": samples,
-    }
+    return summaries(samples)
 
 
 def vllm_decode(url: str, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> Decoded:
@@ -438,12 +372,13 @@ DRAFTERS = ("trained", "untrained")
 
 
 def decode_heldout(checkpoint: Path | Qwen3Config, target_dir: Path, heldout: Path, cfg: dict, drafter: str,
-                   server_logs: Path | None = None) -> dict:
+                   server_logs: Path | None = None, part: int = 0) -> dict:
     """The held-out prompts decoded with the trained drafter of ``checkpoint`` or, for scale, an
     untrained one with its config (``drafter``: "trained" or "untrained"; an untrained one may be
     given its config instead, so that it decodes while the drafter trains): :func:`evaluate`'s
     result, each sample with its ``output_ids`` and ``steps``. With ``engine: vllm`` the server's
-    log goes to ``server_logs``."""
+    log goes to ``server_logs``. ``part``: of ``eval.jobs`` jobs sharing the prompts, this one
+    decodes every jobs-th prompt from the part-th (:func:`dflash.acceptance.merge_parts` joins them)."""
     from transformers import AutoTokenizer, GenerationConfig
 
     from dflash.drafter import write_drafter_state
@@ -455,6 +390,10 @@ def decode_heldout(checkpoint: Path | Qwen3Config, target_dir: Path, heldout: Pa
     prompts = [rec for _, rec in checked_records(heldout, "prompt", "eval reads the heldout.jsonl.zst of the prompts stage")]
     if not prompts:
         raise ValueError(f"{heldout}: no held-out prompts to evaluate (mark some source records split: heldout)")
+    if cfg["jobs"] > len(prompts):
+        raise ValueError(f"{heldout}: eval.jobs {cfg['jobs']} is more than its {len(prompts)} held-out prompts: "
+                         f"lower eval.jobs")
+    prompts = prompts[part::cfg["jobs"]]
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompt_ids = encode_prompts(prompts, tokenizer)
     if cfg["engine"] != "vllm":
@@ -478,38 +417,6 @@ def decode_heldout(checkpoint: Path | Qwen3Config, target_dir: Path, heldout: Pa
         model, config = untrained_drafter(config, cfg["seed"])
         write_drafter_state(model.state_dict(), config, Path(baseline))
         return evaluate_vllm(target_dir, Path(baseline), prompts, prompt_ids, cfg, stop_ids, logs, drafter)
-
-
-def eval_result(trained: dict, untrained: dict, cfg: dict) -> dict:
-    """The eval stage's answer from the two decodings (:func:`decode_heldout`), which must agree
-    token for token: speculative decoding is lossless whatever the drafter."""
-    if [s["output_ids"] for s in trained["samples"]] != [s["output_ids"] for s in untrained["samples"]]:
-        raise RuntimeError("speculative decoding is not lossless: trained and untrained drafters decoded differently")
-    cfg = settings(cfg)
-    result = {
-        "overall": trained["overall"],
-        "per_category": trained["per_category"],
-        "untrained": {"overall": untrained["overall"], "per_category": untrained["per_category"]},
-        **({"server_counters": {"trained": trained["server_counters"], "untrained": untrained["server_counters"]}}
-           if "server_counters" in trained else {}),
-        "samples": trained["samples"],
-        # the server's environment may hold secrets (a token): its names only
-        "settings": {**cfg, "vllm": {**cfg["vllm"], "env": sorted(cfg["vllm"]["env"])}},
-    }
-    logging.getLogger(__name__).info(
-        "acceptance length (tokens per target forward): trained %.3f, untrained %.3f; per verify step (as vLLM "
-        "reports it): trained %.3f, untrained %.3f", trained["overall"]["acceptance_length"],
-        untrained["overall"]["acceptance_length"], trained["overall"]["acceptance_length_per_step"],
-        untrained["overall"]["acceptance_length_per_step"])
-    return result
-
-
-def write_eval(result: dict, out: Path) -> None:
-    """The eval report as JSON, its samples without token ids and steps."""
-    from dflash.io import write_json
-
-    write_json(out, {**result, "samples": [{k: v for k, v in s.items() if k not in ("output_ids", "steps")}
-                                           for s in result["samples"]]})
 
 
 def run_eval(checkpoint: Path, target_dir: Path, heldout: Path, out: Path, cfg: dict,

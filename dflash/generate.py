@@ -65,7 +65,8 @@ class Generation:
 
 
 class TransformersBackend:
-    """In-process generation with a transformers causal LM (the CPU backend)."""
+    """In-process generation with a transformers causal LM (the CPU backend), ``batch_size``
+    requests decoded together (dflash.decode)."""
 
     name = "transformers"
 
@@ -78,40 +79,52 @@ class TransformersBackend:
         self.token_screen = TokenScreen(self.tokenizer)
         self.model_name = Path(target_dir).name
         self.engine_version = f"transformers {transformers.__version__}, torch {torch.__version__}"
-        self.stop = sorted(stop_token_ids(self.tokenizer, self.model.generation_config))
+        self.stop = stop_token_ids(self.tokenizer, self.model.generation_config)
         self.loop_thresholds = repetition if cfg.get("loop_abort", True) else None
+        self.batch_size = cfg.get("batch_size", 1)
 
     def generation_config(self):
         return self.model.generation_config
 
-    @torch.no_grad()
-    def generate(self, prompt: dict, sampling: dict, thinking: bool, seed: int) -> Generation:
-        text = render(prompt["messages"], prompt.get("tools"), self.tokenizer, thinking)
-        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        torch.manual_seed(seed)
-        greedy = sampling["temperature"] == 0
-        from transformers import StoppingCriteriaList
+    def generate_batch(self, requests: list[tuple[dict, int]], sampling: dict,
+                       thinking: bool) -> list[Generation | Exception]:
+        """A Generation for each (prompt, seed), or the exception that stopped it (a conversation
+        the template refuses fails alone)."""
+        from dflash.decode import sample_batch
 
-        watch = LoopStop(self.tokenizer, self.loop_thresholds) if self.loop_thresholds else None
-        out = self.model.generate(
-            torch.tensor([prompt_ids]),
-            max_new_tokens=sampling["max_tokens"],
-            do_sample=not greedy,
-            temperature=None if greedy else sampling["temperature"],
-            top_p=None if greedy else sampling["top_p"],
-            top_k=None if greedy else sampling["top_k"],
-            eos_token_id=self.stop,
-            pad_token_id=self.tokenizer.pad_token_id,
-            stopping_criteria=StoppingCriteriaList([watch]) if watch else None,
-        )
-        ids = out[0, len(prompt_ids):].tolist()
-        if watch and watch.loop:
-            return Generation(self.tokenizer.decode(ids, skip_special_tokens=False), "loop_abort", prompt_ids, ids,
-                              len(prompt_ids), len(ids), loop=watch.loop)
-        finish = "stop" if ids and ids[-1] in self.stop else "length"
-        body = ids[:-1] if finish == "stop" else ids
-        return Generation(self.tokenizer.decode(body, skip_special_tokens=False), finish, prompt_ids, ids,
-                          len(prompt_ids), len(ids))
+        results: list[Generation | Exception | None] = [None] * len(requests)
+        rows = []
+        for k, (prompt, seed) in enumerate(requests):
+            try:
+                text = render(prompt["messages"], prompt.get("tools"), self.tokenizer, thinking)
+            except ValueError as e:
+                results[k] = e
+                continue
+            rows.append((k, self.tokenizer.encode(text, add_special_tokens=False), seed))
+        if not rows:
+            return results
+        watches = [LoopStop(self.tokenizer, self.loop_thresholds) for _ in rows] if self.loop_thresholds else None
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.stop)
+        try:
+            decoded = sample_batch(self.model, [ids for _, ids, _ in rows], [seed for *_, seed in rows], sampling,
+                                   self.stop, pad, watches,
+                                   getattr(self.model.generation_config, "repetition_penalty", None) or 1.0)
+        except Exception as e:  # the batch failed as a whole (memory, say): each of its prompts says so
+            for k, _, _ in rows:
+                results[k] = e
+            return results
+        for n, ((k, prompt_ids, _), d) in enumerate(zip(rows, decoded)):
+            body = output_body(d.ids, self.stop) if d.finish == "stop" else d.ids
+            results[k] = Generation(self.tokenizer.decode(body, skip_special_tokens=False), d.finish, prompt_ids,
+                                    d.ids, len(prompt_ids), len(d.ids),
+                                    loop=watches[n].loop if d.finish == "loop_abort" else None)
+        return results
+
+    def generate(self, prompt: dict, sampling: dict, thinking: bool, seed: int) -> Generation:
+        (g,) = self.generate_batch([(prompt, seed)], sampling, thinking)
+        if isinstance(g, Exception):
+            raise g
+        return g
 
 
 class IncrementalText:
@@ -135,17 +148,16 @@ class IncrementalText:
 
 
 class LoopStop:
-    """A transformers stopping criterion (one prompt, batch of one) that feeds each new token's text
-    to a LoopWatch and stops the generation once it is certainly looping; ``loop`` is then
-    ``{pattern, first_position}``."""
+    """The loop watch of one decoded row: fed each new token, it says (True) once the row's text is
+    certainly looping; ``loop`` is then ``{pattern, first_position}``."""
 
     def __init__(self, tokenizer, thresholds: dict):
         self.text, self.watch, self.loop = IncrementalText(tokenizer), LoopWatch(**thresholds), None
 
-    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
-        if self.watch.feed(self.text.add([int(input_ids[0, -1])])) and self.loop is None:
+    def __call__(self, token: int) -> bool:
+        if self.watch.feed(self.text.add([token])) and self.loop is None:
             self.loop = {"pattern": self.watch.loop, "first_position": self.watch.first_position}
-        return torch.tensor([self.loop is not None])
+        return self.loop is not None
 
 
 class ServerDown(ConnectionError):
@@ -398,22 +410,31 @@ def sample_seed(base: int, prompt_id: str, step: int = 0) -> int:
     return (base * 1_000_003 + int(prompt_id[:12], 16) + step) % (2**63)
 
 
-def completion_record(prompt: dict, backend, sampling: dict, thinking: bool, step: int = 0) -> dict:
-    """One generation for ``prompt["messages"]``; step N > 0 of a replayed conversation gets id ``-gN``."""
+def attempt(backend, prompt: dict, sampling: dict, thinking: bool, step: int = 0) -> Generation | Exception:
+    """One request to ``backend``, or the exception that failed it; a server that stopped answering
+    is raised: no prompt can succeed, the job stops."""
+    try:
+        return backend.generate(prompt, sampling, thinking, sample_seed(sampling["seed"], prompt["id"], step))
+    except ServerDown:
+        raise
+    except Exception as e:  # one bad prompt must not cost the shard: it becomes an error record
+        return e
+
+
+def completion_record(prompt: dict, backend, sampling: dict, thinking: bool, step: int,
+                      g: Generation | Exception) -> dict:
+    """The record of generation ``g`` for ``prompt["messages"]`` (an error record when ``g`` is the
+    exception that failed it); step N > 0 of a replayed conversation gets id ``-gN``."""
     base = {k: prompt[k] for k in ("source", "category", "messages", "tools")}
     record = {"id": f"{prompt['id']}-g{step}" if step else prompt["id"], "prompt_id": prompt["id"], **base}
     generation = {"backend": backend.name, "engine_version": backend.engine_version, "model": backend.model_name,
                   "sampling": sampling, "enable_thinking": thinking}
-    try:
-        g = backend.generate(prompt, sampling, thinking, sample_seed(sampling["seed"], prompt["id"], step))
-    except ServerDown:
-        raise  # no prompt can succeed: the job stops
-    except Exception as e:  # one bad prompt must not cost the shard: it becomes an error record
-        log.warning("prompt %s failed: %s: %s", record["id"], type(e).__name__, e)
+    if isinstance(g, Exception):
+        log.warning("prompt %s failed: %s: %s", record["id"], type(g).__name__, g)
         return {**record, "text": "", "reasoning": None, "content": "", "finish_reason": "error",
                 "prompt_token_ids": None, "output_token_ids": None,
                 "usage": {"prompt_tokens": 0, "completion_tokens": 0},
-                "generation": generation, "error": f"{type(e).__name__}: {e}"}
+                "generation": generation, "error": f"{type(g).__name__}: {g}"}
     if g.reconstructed:
         generation["reconstructed"] = True
     if g.loop:
@@ -456,24 +477,26 @@ def assistant_turn(rec: dict) -> dict:
     return turn
 
 
-def generate_conversation(prompt: dict, backend, sampling: dict, thinking: bool) -> list[dict]:
-    """The completion records of one prompt: one, or for a prompt with ``meta.replay`` one per
-    assistant generation while the model calls the tools whose cached results come next.
+def conversation(prompt: dict, token_screen: TokenScreen, thinking: bool):
+    """The completion records of one prompt, as a generator: it yields each ``(prompt, step)`` to
+    generate, is sent that generation's completion record, and returns the records: one, or for a
+    prompt with ``meta.replay`` one per assistant generation while the model calls the tools whose
+    cached results come next.
 
     Each replayed record has ``replay = {step, steps, stop, detail}``; ``stop`` is set on the last
     one (``completed`` or the mismatch: ``no_call``, ``other_tool``, ``parallel_calls``,
-    ``extra_call``, ``finish_<reason>``).
+    ``extra_call``, ``finish_<reason>``, ``special_tokens``).
     """
     steps = prompt.get("meta", {}).get("replay") or []
-    rec = completion_record(prompt, backend, sampling, thinking)
+    rec = yield prompt, 0
     if not steps:
         return [rec]
     records = []
     for n in range(len(steps) + 1):
         if n:
-            rec = completion_record(prompt, backend, sampling, thinking, step=n)
+            rec = yield prompt, n
         stop, detail = replay_stop(rec, steps[n] if n < len(steps) else None)
-        if stop is None and (forged := backend.token_screen.found([assistant_turn(rec)], None, thinking)):
+        if stop is None and (forged := token_screen.found([assistant_turn(rec)], None, thinking)):
             # the next prompt would encode it as a real control token: a turn the model never ended
             stop, detail = "special_tokens", f"a control token as text in the model's turn ({forged})"
         rec["replay"] = {"step": n, "steps": len(steps), "stop": stop, "detail": detail}
@@ -482,6 +505,41 @@ def generate_conversation(prompt: dict, backend, sampling: dict, thinking: bool)
             return records
         prompt = {**prompt, "messages": prompt["messages"] + [assistant_turn(rec), *steps[n]["results"]]}
     raise AssertionError("unreachable: the last step always stops")
+
+
+def generate_conversation(prompt: dict, backend, sampling: dict, thinking: bool) -> list[dict]:
+    """The completion records of one prompt (:func:`conversation`), one request at a time."""
+    talk = conversation(prompt, backend.token_screen, thinking)
+    prompt, step = next(talk)
+    while True:
+        rec = completion_record(prompt, backend, sampling, thinking, step,
+                                attempt(backend, prompt, sampling, thinking, step))
+        try:
+            prompt, step = talk.send(rec)
+        except StopIteration as done:
+            return done.value
+
+
+def generate_batched(prompts: list[dict], backend: TransformersBackend, sampling: dict, thinking: bool, finish) -> None:
+    """The conversations of ``prompts`` (:func:`conversation`), their requests decoded
+    ``backend.batch_size`` at a time: a batch holds the next request of each conversation under
+    way, topped up with new prompts. ``finish(records)`` gets each prompt's records once done."""
+    waiting, talks = iter(prompts), {}  # conversation -> its next (prompt, step)
+    while True:
+        while len(talks) < backend.batch_size and (prompt := next(waiting, None)) is not None:
+            talk = conversation(prompt, backend.token_screen, thinking)
+            talks[talk] = next(talk)
+        if not talks:
+            return
+        batch = list(talks.items())
+        results = backend.generate_batch([(p, sample_seed(sampling["seed"], p["id"], step)) for _, (p, step) in batch],
+                                         sampling, thinking)
+        for (talk, (p, step)), g in zip(batch, results):
+            try:
+                talks[talk] = talk.send(completion_record(p, backend, sampling, thinking, step, g))
+            except StopIteration as done:
+                del talks[talk]
+                finish(done.value)
 
 
 def settings_digest(cfg: dict, target_dir: str | Path) -> str:
@@ -645,7 +703,6 @@ def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out
     backend = BACKENDS[cfg["backend"]](target_dir, cfg, repetition) if pending else None
     sampling = resolve_sampling(cfg, backend.generation_config()) if pending else None
     thinking = cfg["enable_thinking"]
-    concurrency = cfg["server"]["concurrency"] if cfg["backend"] == "openai" else 1
     name = Path(prompts_path).name
     if done:
         log.info("generate %s: resuming, %d of %d prompts already finished", name, len(done), len(prompts))
@@ -683,7 +740,11 @@ def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out
                                      f"{prompt['meta']['index'] + 1}): {describe(e)}") from None
                 finish([rec])
         try:
-            if concurrency == 1:
+            if not pending:
+                pass
+            elif cfg["backend"] == "transformers":
+                generate_batched(pending, backend, sampling, thinking, finish)
+            elif (concurrency := cfg["server"]["concurrency"]) == 1:
                 for prompt in pending:
                     finish(generate_conversation(prompt, backend, sampling, thinking))
             else:

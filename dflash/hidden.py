@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from dflash.io import human_bytes, read_json
+from dflash.cache_size import resolve_layer_ids
+from dflash.io import read_json
 
 log = logging.getLogger(__name__)
 
@@ -98,39 +99,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 FP8_MAX = 448.0  # the largest float8_e4m3fn value
 
 
-GREEDY_BYTES = 4  # one int32 per token: the target's greedy next token (target_argmax)
-
-
-def cache_bytes(tokens: int, num_layers: int, hidden_size: int, dtype: str) -> int:
-    """Bytes of a hidden-state cache: tokens x layers x hidden x bytes per value (fp8 adds one
-    float32 scale per token and layer), and the target's greedy token per token."""
-    per_value = torch.empty(0, dtype=DTYPES[dtype]).element_size()
-    scales = 4 * tokens * num_layers if dtype == "float8_e4m3fn" else 0
-    return tokens * num_layers * hidden_size * per_value + scales + GREEDY_BYTES * tokens
-
-
-def cache_plan(config: dict, target_dir: str | Path, tokens: int) -> dict:
-    """The hidden-state cache a run would write: tokens, layers, hidden size, dtype, bytes."""
-    from transformers import AutoConfig
-
-    from dflash.workflow import layer_selection
-
-    try:  # a folder, its config.json, or a hub name already in the local cache: nothing is downloaded
-        text = AutoConfig.from_pretrained(target_dir, local_files_only=True).get_text_config()
-    except OSError:
-        raise ValueError(f"{target_dir}: no model folder, config.json or cached hub model of that name on this "
-                         f"machine (nothing is downloaded to size a cache): pass --target the model's folder or "
-                         f"its config.json") from None
-    layers = len(resolve_layer_ids(layer_selection(config["drafter"]), text.num_hidden_layers))
-    dtype = config["hidden"]["dtype"]
-    size = cache_bytes(tokens, layers, text.hidden_size, dtype)
-    return {"tokens": tokens, "layers": layers, "hidden_size": text.hidden_size, "dtype": dtype, "bytes": size,
-            "text": f"{tokens:.3g} tokens x ({layers} layers x {text.hidden_size} x "
-                    f"{torch.empty(0, dtype=DTYPES[dtype]).element_size()} B"
-                    f"{' + scales' if dtype == 'float8_e4m3fn' else ''} + {GREEDY_BYTES} B greedy token) = "
-                    f"{human_bytes(size)}"}
-
-
 def to_fp8(feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 values, float32 scale per token and layer): each token's vector is scaled so its
     largest magnitude is the largest fp8 value."""
@@ -145,14 +113,6 @@ def cached_features(handle, start: int, end: int) -> torch.Tensor:
     if feats.dtype == torch.float8_e4m3fn:
         return feats.float() * handle.get_slice("scales")[start:end].unsqueeze(-1)
     return feats
-
-
-def resolve_layer_ids(layers: dict, num_target_layers: int) -> list[int]:
-    """The configured ``target_layer_ids``, or the reference default for the draft depth."""
-    from dflash.drafter import build_target_layer_ids
-
-    ids = layers.get("target_layer_ids")
-    return list(ids) if ids else build_target_layer_ids(num_target_layers, layers["num_layers"])
 
 
 def check_token_ids(tokenized_path: Path, input_ids: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> None:

@@ -6,6 +6,7 @@ is what ``dflash plan`` forecasts from; the full run's generate jobs reuse its r
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import statistics
@@ -20,7 +21,9 @@ log = logging.getLogger(__name__)
 def sample_prompts(prompts_dir: Path, share: float, min_per_category: int) -> tuple[list[dict], list[dict]]:
     """The pilot's prompts: of each (source, category) stratum of the training prompts,
     ``max(min_per_category, ceil(share x size))`` of them (all, when it holds fewer), the ones
-    with the lowest ids: ids are content hashes, so this is a fixed pick that favours nothing.
+    whose ids hash lowest: a fixed pick that favours nothing, spread over the shards (the prompts
+    stage orders by id, so the lowest ids themselves would all sit in the first shards, and their
+    generate jobs, which take the pilot's records, would finish early while the others ran on).
     Adopted generations (``chat_completions`` sources) are left out: nothing is generated for
     them. Returns the prompts (in shard order) and the strata with their sizes. Two passes over
     the shards, the first keeping ids only: a real run's prompts do not fit in memory twice."""
@@ -35,7 +38,7 @@ def sample_prompts(prompts_dir: Path, share: float, min_per_category: int) -> tu
     table = []
     for (source, category), ids in sorted(strata.items()):
         n = min(len(ids), max(min_per_category, math.ceil(share * len(ids))))
-        chosen.update(sorted(ids)[:n])
+        chosen.update(sorted(ids, key=lambda i: hashlib.sha256(i.encode()).digest())[:n])
         table.append({"source": source, "category": category, "prompts": len(ids), "sampled": n})
     picked = [rec for shard in shards for rec in iter_jsonl(shard) if rec["id"] in chosen]
     return picked, table

@@ -123,7 +123,7 @@ def forecast(config: dict, counts: dict, pilot: dict | None = None, output_token
         else:
             row_tokens = tokens  # prompt tokens unknown: at least the output tokens
         if target and Path(target).exists():  # its folder or its config.json
-            from dflash.hidden import cache_plan
+            from dflash.cache_size import cache_plan
 
             sizes["hidden"] = cache_plan(config, target, int(row_tokens))["text"]
         else:  # a hub name: nothing is downloaded to plan
@@ -142,7 +142,7 @@ def forecast(config: dict, counts: dict, pilot: dict | None = None, output_token
     jobs = {"prompts": 1, "generate": shards, "validate": shards, "tokenize": shards,
             **({"serve": math.ceil(shards / launch["shards_per_server"])} if launch else {}),
             **({"hidden": shards} if config["train"]["hidden_states"] != "online" else {}),
-            "train": 1, "eval_decode": 2, "eval": 1, "qa_summary": 1, "gate": 1, "report": 1}
+            "train": 1, "eval_decode": 2 * config["eval"]["jobs"], "eval": 1, "qa_summary": 1, "gate": 1, "report": 1}
     return {"prompts": prompts, "categories": counts["categories"], "counted_from": counts["from"],
             "output_tokens": tokens, "output_tokens_range": [low, high], "output_tokens_from": tokens_from,
             "loop_abort": loop_abort,

@@ -22,6 +22,7 @@ import torch
 
 from dflash import teach
 from dflash.io import atomic_dir, file_sha256, read_json, replace_problem, write_json
+from dflash.workflow import tell
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def copy_prebuilt(prebuilt: Path, out_dir: Path) -> dict:
         for name in [*provenance["files"], PROVENANCE]:
             shutil.copyfile(prebuilt / name, tmp / name)
     summary = read_json(Path(out_dir) / "build_summary.json")
-    log.info("target: copied %s (made by `%s` on %s, taught %d steps to loss %.3f): the build config, sources and "
-             "teaching code it was made from are this run's", prebuilt, provenance["made_by"],
-             provenance["made_at"][:10], summary["history"][-1]["step"] + 1, summary["teach_final_loss"])
+    tell(log, f"target: copied {prebuilt} (made by `{provenance['made_by']}` on {provenance['made_at'][:10]}, taught "
+              f"{summary['history'][-1]['step'] + 1} steps to loss {summary['teach_final_loss']:.3f}): the build "
+              f"config, sources and teaching code it was made from are this run's")
     return summary

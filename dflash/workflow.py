@@ -88,6 +88,13 @@ def notice(logger: logging.Logger, message: str) -> None:
         print(f"warning: {message}", file=console, flush=True)
 
 
+def tell(logger: logging.Logger, message: str) -> None:
+    """What a job did, in one line: in its log, and on the console as its progress lines are."""
+    logger.info(message)
+    if (console := job_console()) and os.environ.get(JOB):
+        print(f"[{os.environ[JOB]}] {message}", file=console, flush=True)
+
+
 def start_job(snakemake) -> None:
     """First call of every rule script: logging into the rule's log, failures as one line on the
     console (the traceback in the log), progress lines on the console, torch threads."""
@@ -103,12 +110,14 @@ def start_job(snakemake) -> None:
 
 def set_threads(n: int) -> None:
     """The job's threads for torch and for the Rust tokenizer's batch encode, which would take
-    every core (Snakemake runs one job per core it was given). An explicit
-    ``RAYON_NUM_THREADS`` in the environment wins."""
-    import torch
-
-    torch.set_num_threads(max(1, int(n)))
-    os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, int(n))))
+    every core (Snakemake runs one job per core it was given). torch reads OMP_NUM_THREADS when it
+    starts, so the jobs that never import it (most of them) do not spend the seconds it takes to.
+    An explicit ``RAYON_NUM_THREADS`` in the environment wins."""
+    n = max(1, int(n))
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(n)
+    os.environ.setdefault("RAYON_NUM_THREADS", str(n))
 
 
 # What a hidden-state shard holds (features, and since v2 the target's greedy token per token). The

@@ -76,3 +76,8 @@ def excluded_in_shard(wildcards):
     # Keyed on the prompts' write time too: a prompts job re-run in this process moves ids.
     written = os.path.getmtime(os.path.join(folder, "ids.tsv"))
     return _exclusions_by_shard(folder, files, written).get(wildcards.shard, {})
+
+
+def eval_parts(run, drafter):
+    """The files of one eval decoding, a part per eval job."""
+    return [f"{OUT}/eval/{run}/{drafter}.{part}.json" for part in range(config["eval"]["jobs"])]

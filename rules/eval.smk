@@ -1,13 +1,16 @@
 rule eval_decode:
     """Greedy speculative decoding of the held-out prompts with the trained drafter, or for scale
-    an untrained one of the same config. The untrained one needs only the config (the drafter
-    section, the target's sizes): it decodes while the drafter trains, on the core training leaves."""
+    an untrained one of the same config; part {part} of eval.jobs that share the prompts. The
+    untrained one needs only the config (the drafter section, the target's sizes) and the gates'
+    verdicts (no eval of data the gates stopped): it decodes while the drafter trains, on the core
+    training leaves."""
     input:
         checkpoint=lambda wildcards: f"{OUT}/checkpoints/{wildcards.run}" if wildcards.drafter == "trained" else [],
+        gates=ancient(f"{OUT}/qa/gates.json"),
         target=TARGET_INPUT,
         heldout=lambda wildcards: prompt_file("heldout.jsonl.zst"),
     output:
-        f"{OUT}/eval/{{run}}/{{drafter}}.json",
+        f"{OUT}/eval/{{run}}/{{drafter}}.{{part}}.json",
     params:
         eval=config["eval"],
         # the untrained drafter's shape; the trained one's is its checkpoint's
@@ -16,11 +19,12 @@ rule eval_decode:
     resources:
         gpu=1,
     log:
-        f"{LOGS}/eval/{{run}}.{{drafter}}.log",
+        f"{LOGS}/eval/{{run}}.{{drafter}}.{{part}}.log",
     benchmark:
-        f"{BENCH}/eval/{{run}}.{{drafter}}.tsv"
+        f"{BENCH}/eval/{{run}}.{{drafter}}.{{part}}.tsv"
     wildcard_constraints:
         drafter="trained|untrained",
+        part=r"\d+",
     conda:
         "../envs/torch.yaml"
     script:
@@ -29,10 +33,10 @@ rule eval_decode:
 
 rule eval:
     """Acceptance length per category, trained against untrained, from the two decodings (which
-    must agree token for token: speculative decoding is lossless)."""
+    must agree token for token: speculative decoding is lossless), each joined from its parts."""
     input:
-        trained=f"{OUT}/eval/{{run}}/trained.json",
-        untrained=f"{OUT}/eval/{{run}}/untrained.json",
+        trained=lambda wildcards: eval_parts(wildcards.run, "trained"),
+        untrained=lambda wildcards: eval_parts(wildcards.run, "untrained"),
     output:
         f"{OUT}/eval/{{run}}.json",
     params:

@@ -13,6 +13,7 @@ rule hidden:
         dtype=config["hidden"]["dtype"],
         cache_format=HIDDEN_FORMAT,
     threads: 1
+    priority: 1  # before the untrained eval decoding, ready at the same time: training waits for this
     resources:
         gpu=1,
     log:

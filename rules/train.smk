@@ -16,6 +16,7 @@ rule train:
     # config threads (1): on a CPU the demo's small matrices train faster on one thread than on two,
     # and the other core decodes the eval's untrained baseline meanwhile; on a GPU it is the host's share
     threads: config["threads"]
+    priority: 1  # before the untrained eval decoding, which fills the cores training leaves
     resources:
         gpu=config["train"]["gpus"],
     log:

@@ -2,9 +2,10 @@ from dflash.workflow import start_job
 
 start_job(snakemake)
 
-from dflash.eval import eval_result, write_eval  # noqa: E402
+from dflash.acceptance import eval_result, merge_parts, write_eval  # noqa: E402
 from dflash.io import read_json  # noqa: E402
 
 i = snakemake.input
 cfg = {**snakemake.params.eval, "fast_kernels": snakemake.config["target"]["fast_kernels"]}  # as the decodings had it
-write_eval(eval_result(read_json(i.trained), read_json(i.untrained), cfg), snakemake.output[0])
+trained, untrained = (merge_parts([read_json(path) for path in paths]) for paths in (i.trained, i.untrained))
+write_eval(eval_result(trained, untrained, cfg), snakemake.output[0])

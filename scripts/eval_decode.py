@@ -16,5 +16,5 @@ drafter = i.checkpoint or planned_drafter_config(snakemake.params.drafter, i.tar
 # eval.engine vllm: the server's log beside the job's own
 log = Path(snakemake.log[0])
 decoded = decode_heldout(drafter, i.target, i.heldout, cfg, snakemake.wildcards.drafter,
-                         server_logs=log.with_name(f"{log.stem}-vllm"))
+                         server_logs=log.with_name(f"{log.stem}-vllm"), part=int(snakemake.wildcards.part))
 write_json(snakemake.output[0], decoded)

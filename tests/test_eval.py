@@ -12,6 +12,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from dflash.drafter import TargetIO, load_drafter
+from dflash.acceptance import merge_parts
 from dflash.eval import evaluate, speculative_generate, untrained_drafter
 from dflash.chat import stop_token_ids
 from dflash.hidden import decoder_layers, forward_features
@@ -196,6 +197,14 @@ def test_trained_drafter_beats_untrained(tiny_target_dir, tokenizer, answers, tr
     assert overall["drafts"] == sum(len(s["steps"]) for s in trained["samples"])
     assert overall["acceptance_length_per_step"] == pytest.approx(1 + overall["accepted_draft_tokens"] / overall["drafts"])
     assert overall["acceptance_length_per_step"] > overall["acceptance_length"]
+
+
+def test_a_decoding_shared_by_jobs_joins_into_the_whole(tiny_target_dir, tokenizer, trained_drafter):
+    """eval.jobs: each job decodes every jobs-th prompt; joined, the parts are the one decoding."""
+    cfg = {"max_new_tokens": 12, "device": "cpu"}
+    whole = evaluate(tiny_target_dir, trained_drafter, PROMPTS, cfg, tokenizer)
+    parts = [evaluate(tiny_target_dir, trained_drafter, PROMPTS[k::3], cfg, tokenizer) for k in range(3)]
+    assert merge_parts(parts) == whole
 
 
 def test_block_size_larger_than_trained_is_refused(tiny_target_dir, tokenizer, trained_drafter):

@@ -24,7 +24,7 @@ def prompt_shard(tmp_path_factory, demo_sources):
 
 
 def gen_cfg(max_error_fraction=0.0, **sampling):
-    return {"backend": "transformers", "enable_thinking": True, "max_error_fraction": max_error_fraction,
+    return {"backend": "transformers", "enable_thinking": True, "max_error_fraction": max_error_fraction, "batch_size": 3,
             "sampling": {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "max_tokens": 24, "seed": 0, **sampling}}
 
 
@@ -70,6 +70,38 @@ def test_generation_is_reproducible_per_sample(tmp_path, prompt_shard, target_di
     b = {r["id"]: r["output_token_ids"] for r in read_jsonl(tmp_path / "b.jsonl.zst")}
     assert a == b
     assert sample_seed(0, "00000000000a") != sample_seed(1, "00000000000a")
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.7, "top_p": 0.95, "top_k": 20}])
+def test_a_row_draws_alone_or_batched_what_transformers_generate_draws(prompt_shard, target, sampling):
+    """The CPU backend's loop (dflash.decode) against transformers' generate() after
+    torch.manual_seed(seed), repetition penalty included: the same tokens for each prompt, decoded
+    alone or in a batch of prompts of other lengths (left-padded; rows leave as they stop)."""
+    import torch
+
+    from dflash.chat import render, stop_token_ids
+    from dflash.decode import sample_batch
+
+    model, tok = target
+    _, prompts = prompt_shard
+    rows = [tok.encode(render(p["messages"], p["tools"], tok, True), add_special_tokens=False) for p in prompts[:6]]
+    stop = stop_token_ids(tok, model.generation_config)
+    sampling = {**sampling, "max_tokens": 40}
+    drawn = []
+    for seed, ids in enumerate(rows):
+        torch.manual_seed(seed)
+        greedy = sampling["temperature"] == 0
+        out = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=not greedy, repetition_penalty=1.3,
+                             eos_token_id=sorted(stop), pad_token_id=tok.pad_token_id,
+                             **({} if greedy else {k: sampling[k] for k in ("temperature", "top_p", "top_k")}))
+        drawn.append(out[0, len(ids):].tolist())
+    assert len({len(ids) for ids in rows}) > 1 and len({len(d) for d in drawn}) > 1
+    seeds = list(range(len(rows)))
+    alone = [sample_batch(model, [ids], [seed], sampling, stop, tok.pad_token_id, repetition_penalty=1.3)[0].ids
+             for seed, ids in zip(seeds, rows)]
+    batched = [d.ids for d in sample_batch(model, rows, seeds, sampling, stop, tok.pad_token_id,
+                                           repetition_penalty=1.3)]
+    assert alone == drawn and batched == drawn
 
 
 def test_unset_sampling_comes_from_generation_config(tmp_path, prompt_shard, target, target_dir):

@@ -1,10 +1,10 @@
 """Replay of tool conversations, with the transformers backend and a scripted decode.
 
 The tiny target cannot be relied on to call the right tool, so each test scripts what it says:
-the real model runs the real decoding loop on the real rendered prompt, and
-``prefix_allowed_tokens_fn`` allows only the next token of a scripted reply chosen from what the
-prompt holds (how many tool results came back so far). Rendering, tokenization, parsing of the
-calls and the feeding of cached results are the pipeline's own.
+the real model runs in the real (batched) decoding loop on the real rendered prompts, its scores
+overwritten to leave only the next token of a scripted reply chosen from what each prompt holds
+(how many tool results came back so far). Rendering, tokenization, parsing of the calls and the
+feeding of cached results are the pipeline's own.
 """
 import json
 
@@ -35,21 +35,23 @@ ANSWER = "Both results agree.\n</think>\n\n300 euros is about 251.73 pounds at 0
 def scripted(backend: TransformersBackend, replies: list[str]) -> TransformersBackend:
     """Make ``backend`` say ``replies[k]`` when its prompt holds k tool results."""
     tok, model = backend.tokenizer, backend.model
-    real = type(model).generate.__get__(model)  # the class's, not an earlier script's
+    real = type(model).forward.__get__(model)  # the class's, not an earlier script's
     end = tok.convert_tokens_to_ids("<|im_end|>")
+    scripts = []  # what each row of the batch has still to say
 
-    def generate_scripted(input_ids, **kwargs):
-        results = tok.decode(input_ids[0]).count("<tool_response>")
-        script = tok.encode(replies[min(results, len(replies) - 1)], add_special_tokens=False) + [end]
-        start = input_ids.shape[1]
+    def forward(input_ids, past_key_values=None, **kwargs):
+        out = real(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
+        if past_key_values is None:  # a new batch: one script a prompt
+            scripts[:] = [tok.encode(replies[min(tok.decode(row).count("<tool_response>"), len(replies) - 1)],
+                                     add_special_tokens=False) + [end] for row in input_ids]
+        else:  # a row that said its last token has left the batch
+            scripts[:] = [script for script in scripts if script]
+        out.logits[:, -1] = float("-inf")
+        for row, script in enumerate(scripts):
+            out.logits[row, -1, script.pop(0)] = 0
+        return out
 
-        def allowed(batch_id, ids):
-            k = ids.shape[-1] - start
-            return [script[k] if k < len(script) else end]
-
-        return real(input_ids, prefix_allowed_tokens_fn=allowed, **kwargs)
-
-    model.generate = generate_scripted
+    model.forward = forward
     return backend
 
 
@@ -138,7 +140,8 @@ def test_shard_with_replays_resumes_whole_conversations(tmp_path, target_dir, ex
     chat = next(read_source(next(s for s in demo_sources if s["name"] == "demo-chat")))
     shard, out = tmp_path / "shard-00000.jsonl.zst", tmp_path / "out.jsonl.zst"
     write_jsonl_zst(shard, [exchange_prompt, chat])
-    summary = generate_shard(shard, out, target_dir, CFG, tmp_path / "summary.json")
+    cfg = {**CFG, "batch_size": 2}  # the conversation's steps decoded beside the chat prompt
+    summary = generate_shard(shard, out, target_dir, cfg, tmp_path / "summary.json")
     full = read_jsonl(out)
     pid = exchange_prompt["id"]
     assert [r["id"] for r in full] == [pid, f"{pid}-g1", f"{pid}-g2", chat["id"]]
@@ -148,6 +151,6 @@ def test_shard_with_replays_resumes_whole_conversations(tmp_path, target_dir, ex
     # killed while writing the conversation: its records are incomplete, so it is generated again
     partial_path(out).write_text(json.dumps(full[3]) + "\n" + json.dumps(full[0]) + "\n" + json.dumps(full[1])[:50])
     out.unlink()
-    summary = generate_shard(shard, out, target_dir, CFG)
+    summary = generate_shard(shard, out, target_dir, cfg)
     assert summary["resumed"] == 1 and summary["requests"] == 3
     assert read_jsonl(out) == full

@@ -83,8 +83,8 @@ def test_whole_chain_runs_and_writes_every_stage(pipeline):
     assert re.search(r"^kept: \d+ of 32 completions kept", tail, re.M) and "acceptance length: " in tail
     assert "report: results/report/summary.html" in tail
     assert "Output length per category" in (res / "report" / "qa.html").read_text()
-    for rule in ("prompts", "target", "train/demo", "eval/demo", "eval/demo.trained", "eval/demo.untrained", "report",
-                 "gate", "qa_summary", "qa_report"):
+    for rule in ("prompts", "target", "train/demo", "eval/demo", "eval/demo.trained.0", "eval/demo.trained.1",
+                 "eval/demo.untrained.0", "eval/demo.untrained.1", "report", "gate", "qa_summary", "qa_report"):
         assert (res / "logs" / f"{rule}.log").exists(), rule
 
 

@@ -1,0 +1,75 @@
+"""The size of a hidden-state cache, from the target's config.json alone: for the gate, the plan
+and ``dflash cache-size``, jobs and commands that would otherwise import torch and transformers
+(seconds each) to read two numbers."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflash.io import human_bytes
+
+GREEDY_BYTES = 4  # one int32 per token: the target's greedy next token (target_argmax)
+VALUE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The reference choice of target layers: the middle one for a 1-layer draft, else evenly
+    spaced from layer 1 to layer N-3."""
+    if num_draft_layers < 1:
+        raise ValueError(f"num_draft_layers must be >= 1, got {num_draft_layers}")
+    if num_draft_layers == 1:
+        ids = [num_target_layers // 2]
+    else:
+        start, end = 1, num_target_layers - 3
+        ids = [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    if len(set(ids)) != len(ids) or not all(0 <= i < num_target_layers for i in ids):
+        raise ValueError(
+            f"the default target layers for {num_draft_layers} draft layers on a {num_target_layers}-layer "
+            f"target are {ids} (duplicated or out of range); set target_layer_ids explicitly"
+        )
+    return ids
+
+
+def resolve_layer_ids(layers: dict, num_target_layers: int) -> list[int]:
+    """The configured ``target_layer_ids``, or the reference default for the draft depth."""
+    ids = layers.get("target_layer_ids")
+    return list(ids) if ids else build_target_layer_ids(num_target_layers, layers["num_layers"])
+
+
+def cache_bytes(tokens: int, num_layers: int, hidden_size: int, dtype: str) -> int:
+    """Bytes of a hidden-state cache: tokens x layers x hidden x bytes per value (fp8 adds one
+    float32 scale per token and layer), and the target's greedy token per token."""
+    scales = 4 * tokens * num_layers if dtype == "float8_e4m3fn" else 0
+    return tokens * num_layers * hidden_size * VALUE_BYTES[dtype] + scales + GREEDY_BYTES * tokens
+
+
+def text_config(target: str | Path) -> dict:
+    """The language model's part of a target's config: from a model folder or its config.json as
+    JSON, else (a hub name) from the local hub cache through transformers; nothing is downloaded."""
+    path = Path(target)
+    path = path / "config.json" if path.is_dir() else path
+    if path.name == "config.json" and path.is_file():
+        config = json.loads(path.read_text(encoding="utf-8"))
+        return config.get("text_config") or config
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(target, local_files_only=True).get_text_config().to_dict()
+    except OSError:
+        raise ValueError(f"{target}: no model folder, config.json or cached hub model of that name on this "
+                         f"machine (nothing is downloaded to size a cache): pass --target the model's folder or "
+                         f"its config.json") from None
+
+
+def cache_plan(config: dict, target_dir: str | Path, tokens: int) -> dict:
+    """The hidden-state cache a run would write: tokens, layers, hidden size, dtype, bytes."""
+    from dflash.workflow import layer_selection
+
+    text = text_config(target_dir)
+    layers = len(resolve_layer_ids(layer_selection(config["drafter"]), text["num_hidden_layers"]))
+    dtype, hidden = config["hidden"]["dtype"], text["hidden_size"]
+    size = cache_bytes(tokens, layers, hidden, dtype)
+    return {"tokens": tokens, "layers": layers, "hidden_size": hidden, "dtype": dtype, "bytes": size,
+            "text": f"{tokens:.3g} tokens x ({layers} layers x {hidden} x {VALUE_BYTES[dtype]} B"
+                    f"{' + scales' if dtype == 'float8_e4m3fn' else ''} + {GREEDY_BYTES} B greedy token) = "
+                    f"{human_bytes(size)}"}
