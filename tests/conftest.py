@@ -104,7 +104,7 @@ def small_run_config(work: Path, demo_sources: list[dict], target_dir: Path | No
     cfg["gates"] = {"max_trivial_share": None, "min_median_trainable_tokens": None, "min_tool_call_share": None}
     cfg["drafter"] = {"num_layers": 1, "target_layer_ids": [1, 3], "block_size": 4}
     cfg["train"] = {"steps": train_steps, "batch_size": 2}
-    cfg["eval"] = {"max_new_tokens": eval_tokens, "jobs": 2}  # as the demo: each decoding in two jobs
+    cfg["eval"] = {"max_new_tokens": eval_tokens}
     cfg["pilot"] = pilot or {"enabled": False}
     (work / "config.yaml").write_text(yaml.safe_dump(cfg))
     return cfg

@@ -45,6 +45,7 @@ def pipeline(tmp_path_factory, demo_sources):
     config = small_run_config(work, demo_sources, train=8, heldout=2, shard_size=12, max_tokens=24, train_steps=4,
                               eval_tokens=8, pilot={"min_per_category": 4})
     config["target"]["build"]["teach"]["steps"] = 20
+    config["eval"]["jobs"] = 2  # as the demo: each decoding in two jobs
     (work / "config.yaml").write_text(yaml.safe_dump(config))
     out = snakemake(work, "--cores", "2")
     return work, out
@@ -188,6 +189,7 @@ def test_only_settings_that_shape_the_records_rerun_generation(pipeline):
     other = work / "other.yaml"
     config["generate"]["server"] = {"concurrency": 3, "timeout_s": 5, "retries": 9}
     config["generate"]["max_error_fraction"] = 0.5
+    config["generate"]["batch_size"] = 4  # rows decoded together: float rounding at most, not the records' settings
     other.write_text(yaml.safe_dump(config))
     assert "Nothing to be done" in snakemake(work, "-n", "--configfile", str(other))
     config["generate"]["sampling"]["temperature"] = 0.5
