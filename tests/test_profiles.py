@@ -86,7 +86,7 @@ def test_a_copy_of_the_demo_pointed_at_a_real_model_is_refused(tmp_path):
     run = dry_run(tmp_path, "--configfile", str(tmp_path / "mine.yaml"))
     assert run.returncode == 1
     out = run.stdout + run.stderr
-    assert "is a 64-layer model, but drafter.target_layer_ids [1, 3], train.num_anchors 16, train.lr 0.003" in out
+    assert "is a 64-layer model, but drafter.target_layer_ids [1, 3], train.num_anchors 16, train.lr 0.005" in out
     assert "config/qwen3.6-27b.yaml" in out and str(tmp_path / "mine.yaml") in out
     assert not (tmp_path / "results").exists()
 
@@ -101,7 +101,7 @@ def test_the_demo_guard_spares_tiny_targets_and_single_coincidences(tmp_path):
     cfg["train"]["lr"] = demo["train"]["lr"]  # one value chosen on purpose
     assert demo_sized_problem(cfg, demo, "x.yaml", "config.yaml") is None
     cfg["eval"]["max_new_tokens"] = demo["eval"]["max_new_tokens"]
-    assert "train.lr 0.003, eval.max_new_tokens 128" in demo_sized_problem(cfg, demo, "x.yaml", "config.yaml")
+    assert "train.lr 0.005, eval.max_new_tokens 128" in demo_sized_problem(cfg, demo, "x.yaml", "config.yaml")
     cfg["target"]["path"] = str(tmp_path / "not-here")  # only on the GPU nodes: nothing to compare
     assert demo_sized_problem(cfg, demo, "x.yaml", "config.yaml") is None
 
@@ -160,6 +160,31 @@ def test_site_file_names_reach_every_job_of_the_b200_plan(tmp_path):
     assert "gpu=0" in generate and "threads: 0" in generate and "mem_mb=2000" in generate
     assert "slurm_partition=short" in validate and "slurm_account=proj-17" in validate and "qos" not in validate
     assert "gpu_model" not in validate
+
+
+def test_the_rtx_plan_puts_each_gpu_stage_on_the_rtx_partition(tmp_path):
+    """The RTX PRO 6000 profile's GPU jobs after generation, as planned (tests/test_slurm.py runs
+    its server group for real, and the B200 profile's whole chain): one GPU each for the hidden
+    states and the eval's decodings, a whole node for training; the cached-features plan, so that
+    the hidden jobs are in it."""
+    real = real_workdir(tmp_path)
+    cfg = yaml.safe_load(real.read_text())
+    cfg["train"]["hidden_states"] = "offline"
+    cfg["hidden"]["max_cache_bytes"] = None
+    real.write_text(yaml.safe_dump(cfg))
+    run = dry_run(tmp_path, "--profile", str(ROOT / "profiles" / "slurm-rtxpro6000"), "--configfile", str(real),
+                  env={"DFLASH_SITE": str(site_file(tmp_path))})
+    assert run.returncode == 0, run.stderr[-3000:]
+    blocks = {}
+    for block in run.stdout.split("rule ")[1:]:
+        blocks.setdefault(block.split(":")[0].split()[-1], []).append(block)
+    assert [len(blocks[r]) for r in ("hidden", "eval_decode", "train")] == [3, 2, 1]  # 3 shards; trained, untrained
+    for rule, mem, runtime in [("hidden", 100000, 480), ("eval_decode", 100000, 120), ("train", 400000, 4320)]:
+        for block in blocks[rule]:
+            assert "slurm_partition=rtxpro6000" in block and "gpu_model=rtx_pro_6000" in block, block
+            assert f"mem_mb={mem}," in block and f"runtime={runtime}," in block and "cpus_per_gpu=8" in block, block
+            assert ("gpu=1," in block) != (rule == "train"), block
+    assert "nodes=1" in blocks["train"][0] and "slurm_extra=--exclusive" in blocks["train"][0]
 
 
 def test_a_wrong_site_file_stops_before_any_job(tmp_path):

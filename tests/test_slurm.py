@@ -98,18 +98,17 @@ def test_demo_through_the_b200_profile(slurm, tmp_path, demo_sources, target_dir
 
 def test_started_server_holds_a_whole_rtx_node(slurm, tmp_path, demo_sources, target_dir):
     """generate.server.launch: the server and the generate jobs of its shards are one sbatch job
-    holding the node's 4 GPUs; every job of the group sees them. Then the rest of the chain."""
+    holding the node's 4 GPUs; every job of the group sees them. The chain after generation runs
+    through SLURM in the B200 test; the RTX profile's GPU jobs after it are planned in
+    tests/test_profiles.py (a whole run here took two minutes of CI)."""
     cli = Path(sys.executable).with_name("transformers")
     small_run_config(tmp_path, demo_sources, target_dir, backend="openai", max_error_fraction=0.0, server={
         "dialect": "openai", "concurrency": 2, "retries": 0, "timeout_s": 120,
         "launch": {"command": f"{cli} serve --host {{host}} --port {{port}} {{model}}", "gpus": 4,
                    "shards_per_server": 64, "startup_timeout_s": 300}})
-    out = run(tmp_path, "slurm-rtxpro6000", "--verbose")
-    assert (tmp_path / "results" / "report" / "summary.html").exists()
+    out = run(tmp_path, "slurm-rtxpro6000", "--verbose", *(f"results/completions/shard-{s}.jsonl.zst"
+                                                          for s in ("00000", "00001")))
     calls = sbatch_calls(out)
-    for call in calls["hidden"] + calls["eval_decode"] + calls["train"]:
-        assert " -p rtxpro6000 " in call and "--gpus=rtx_pro_6000:1" in call and "--cpus-per-gpu=8" in call, call
-    assert all("--mem 100000 " in c and " -t 480 " in c for c in calls["hidden"]), calls["hidden"]
     group = [c for rule, lines in calls.items() if "serve" in rule for c in lines]
     assert len(group) == 1, group  # one server for both shards: one node
     # the server's 300 GB and 2 GB per client; the longest runtime; the node's 4 GPUs
