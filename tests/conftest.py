@@ -41,28 +41,41 @@ def target_dir(tmp_path_factory, demo_config, demo_sources) -> Path:
     """The demo target, built for real but taught only briefly (the tests need its format, not its
     quality). Not the shipped one (tests/test_target.py checks that): its outputs run to every
     token cap, and the tests that generate took 12 minutes more of CI with it."""
-    from dflash.target import build_target
-
     cfg = copy.deepcopy(demo_config["target"]["build"])
     cfg["teach"]["steps"] = 40
-    cfg["prebuilt"] = None
-    out = tmp_path_factory.mktemp("target") / "target"
-    build_target([Path(s["path"]) for s in demo_sources], out, cfg)
-    return out
+    return taught_target(tmp_path_factory, "target", demo_sources, cfg)
 
 
 @pytest.fixture(scope="session")
 def qwen3_target(tmp_path_factory, demo_config, demo_sources) -> Path:
     """A full-attention ``qwen3`` variant of the demo target, built and taught the same way: vLLM's
     CPU build cannot load the hybrid ``qwen3_5_text``."""
-    from dflash.target import build_target
-
     cfg = copy.deepcopy(demo_config["target"]["build"])
     cfg["architecture"] = "qwen3"
     cfg["teach"]["steps"] = 30
-    cfg["prebuilt"] = None  # the shipped one is the hybrid
-    out = tmp_path_factory.mktemp("q3") / "target"
-    build_target([Path(s["path"]) for s in demo_sources], out, cfg)
+    return taught_target(tmp_path_factory, "q3", demo_sources, cfg)
+
+
+def taught_target(tmp_path_factory, name: str, demo_sources: list[dict], cfg: dict) -> Path:
+    """A target taught with ``cfg`` into .cache/test-targets/<name> once, then copied for the
+    session by the target stage's own check (the build config, the sources and the teaching code it
+    was made from are these): `make test`'s two passes, pytest-xdist's workers and later runs share
+    it. Half a minute each, taught."""
+    import fcntl
+    import shutil
+
+    from dflash.target import build_target, prebuilt_problem, teaching_digests
+
+    sources = [Path(s["path"]) for s in demo_sources]
+    cached = ROOT / ".cache" / "test-targets" / name
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with open(cached.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker teaches, the other waits for it
+        if prebuilt_problem(cached, teaching_digests(sources, cfg)):
+            shutil.rmtree(cached, ignore_errors=True)  # this fixture's own, made from something else
+            build_target(sources, cached, {**cfg, "prebuilt": None}, made_by="tests/conftest.py")
+    out = tmp_path_factory.mktemp(name) / "target"
+    build_target(sources, out, {**cfg, "prebuilt": str(cached)})
     return out
 
 

@@ -8,6 +8,7 @@ Both daemons run the jobs on this machine, so the working tree is the shared fil
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import socket
@@ -76,7 +77,13 @@ def running() -> bool:
 
 def start(timeout_s: float = 60) -> bool:
     """Configure and start munged, slurmctld and slurmd unless a cluster already answers; True when
-    this call started them."""
+    this call started them. One caller at a time: pytest-xdist's workers each ask as they start."""
+    with open("/tmp/dflash-slurm-start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _start(timeout_s)
+
+
+def _start(timeout_s: float) -> bool:
     install()
     if running():
         return False
