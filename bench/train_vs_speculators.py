@@ -90,7 +90,7 @@ def ours(rows_per_step: int) -> None:
     from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
     from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config
-    from dflash.train import DEFAULTS, Row, draft_loss, make_batch, make_optimizer, sample_anchors
+    from dflash.train import Row, draft_loss, make_batch, make_optimizer, sample_anchors, trainer_defaults
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -108,10 +108,13 @@ def ours(rows_per_step: int) -> None:
     rows = [Row(0, 0, ROW_LEN, torch.randint(0, VOCAB - 1, (ROW_LEN,)), mask) for _ in range(rows_per_step)]
     feats = [torch.randn(ROW_LEN, N_TARGET_LAYERS, HIDDEN) for _ in range(rows_per_step)]
 
+    known = trainer_defaults()
+
     def step() -> int:
         anchors = [sample_anchors(r.loss_mask, ANCHORS, generator) for r in rows]
         batch = make_batch(rows, feats, anchors, BLOCK, VOCAB - 1)
-        loss, parts = draft_loss(model, io, batch, BLOCK, DEFAULTS["loss"], int(batch.supervised.sum()))
+        loss, parts = draft_loss(model, io, batch, BLOCK, known["loss"], int(batch.supervised.sum()),
+                                 chunk_tokens=known["loss_chunk_tokens"])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -10,19 +10,8 @@ Two figures, both reported overall and per category:
   counters, ``metrics.speculative_decoding``) and the papers as tau. It reads higher than the
   first, most on short outputs. Compare published figures with this one.
 
-``cfg`` keys:
-    max_new_tokens: int = 96     tokens generated per prompt at most
-    block_size: int | None = None   tokens per block (anchor + drafted); None = the drafter's
-                                 config; may be smaller than it, not larger
-    device: str = "auto"         "auto" = cuda when available, else cpu
-    seed: int = 0                initialisation of the untrained (``init_only``) drafter
-    fast_kernels: str = "require"  ``target.fast_kernels``: a hybrid target on CUDA without its
-                                 linear-attention kernels stops the job ("require") or only warns ("warn")
-    engine: str = "transformers"  "vllm": decode through a vLLM server instead (see below)
-    jobs: int = 1                jobs that share the held-out prompts of each decoding (``part``)
-    vllm: dict                   with engine vllm: ``command`` (placeholders {model}, {host}, {port},
-                                 {served_model_name}, {speculative_config}), ``env``,
-                                 ``startup_timeout_s``, ``concurrency`` (requests in flight)
+``cfg``: the config's ``eval`` section and ``target.fast_kernels``; keys left out take the
+schema's defaults (``dflash/schemas/config.schema.yaml`` documents each), unknown keys are errors.
 """
 from __future__ import annotations
 
@@ -30,12 +19,8 @@ import logging
 from itertools import zip_longest
 from pathlib import Path
 
-VLLM_COMMAND = ("vllm serve {model} --host {host} --port {port} --served-model-name {served_model_name} "
-                "--speculative-config {speculative_config} --per-request-spec-decode-metrics detailed "
-                "--generation-config vllm --no-enable-prefix-caching")
-DEFAULTS = {"max_new_tokens": 96, "block_size": None, "device": "auto", "seed": 0, "fast_kernels": "require",
-            "engine": "transformers", "jobs": 1,
-            "vllm": {"command": VLLM_COMMAND, "env": {}, "startup_timeout_s": 1800, "concurrency": 8}}
+from dflash.config import defaults
+
 ENGINES = ("transformers", "vllm")
 
 
@@ -57,10 +42,11 @@ def summarize(samples: list[dict]) -> dict:
 
 def settings(cfg: dict) -> dict:
     """``cfg`` checked and completed with the defaults."""
-    unknown = sorted(set(cfg) - set(DEFAULTS))
+    known = {**defaults("eval"), "fast_kernels": defaults("target")["fast_kernels"]}
+    unknown = sorted(set(cfg) - set(known))
     if unknown:
         raise ValueError(f"unknown eval settings: {unknown}")
-    cfg = {**DEFAULTS, **cfg, "vllm": {**DEFAULTS["vllm"], **(cfg.get("vllm") or {})}}
+    cfg = {**known, **cfg, "vllm": {**known["vllm"], **(cfg.get("vllm") or {})}}
     if cfg["max_new_tokens"] < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {cfg['max_new_tokens']}")
     if cfg["engine"] not in ENGINES:

@@ -99,3 +99,18 @@ def read_beside(path: Path, name: str) -> dict | None:
     from dflash.storage import read_json_here_or_stored
 
     return read_json_here_or_stored(Path(path).parent / name)
+
+
+def budget_watch(config: dict, summary_path: Path, pilot: Path | None, prompts_path: Path):
+    """generate.budget for one generate job, before it starts: BudgetError when the run would pass
+    it; else, under a budget, the job's summary annotation (the run's spend once its shard is
+    done), None without one. The pilot's own job (``pilot`` None) is never stopped: it measures
+    what the forecast needs. Every job reads every finished summary, which grows with the square of
+    the shards: only under a budget (without one the report sums the spend once)."""
+    budget = config["generate"]["budget"]
+    if not pilot or (budget["max_node_hours"] is None and budget["max_cost"] is None):
+        return None
+    finished, pilot_run = read_summaries(Path(summary_path).parent), read_beside(pilot, "generate.json")
+    check_budget(config, finished, pilot_run, read_beside(prompts_path, "manifest.json")["prompts"])
+    measured = finished + ([pilot_run] if pilot_run else [])
+    return lambda summary: {"run_spend": spend(measured + [summary], config)}

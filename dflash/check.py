@@ -15,7 +15,7 @@ import re
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from dflash.io import SHARD_RE, iter_jsonl_lines, local_copy, s3_problem, split_s3
+from dflash.io import SHARD_RE, iter_jsonl_lines, local_copy, percent, s3_problem, split_s3
 from dflash.toolcalls import call_problems
 from dflash.validate import ANCHORS, BAD_CALL, TAGS, TOOL_CATEGORY, calls_a_tool, excerpt
 
@@ -219,17 +219,13 @@ class Tally:
         }
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
-
-
 def verdict(r: dict, gates: dict) -> dict:
     """``{verdict, failed, caveats, line}``: not usable when a gate fails (the category's reject rate, and
     for the tool category the share of kept records that call a tool), with caveats when what the
     gates do not see is off (schema failures, loops, replays that stop early, broken calls kept)."""
     cat, records, kept = r["category"], r["records"], r["kept"]
     reasons = ", ".join(f"{code} {n}" for code, n in list(r["rejected_by_reason"].items())[:4])
-    rejected = f"{_pct(r['reject_rate'])} of {records} {cat} records rejected"
+    rejected = f"{percent(r['reject_rate'])} of {records} {cat} records rejected"
     calling = f"{r['kept_classes']['calls']} of {kept} kept {cat} records call a tool"
     fails, caveats, fine = [], [], []
     if not records:
@@ -239,19 +235,19 @@ def verdict(r: dict, gates: dict) -> dict:
     share = gates.get("min_tool_call_share")
     if cat == TOOL_CATEGORY and kept:
         if share is not None and r["call_share"] < share:
-            fails.append(f"{calling} ({_pct(r['call_share'])}, under gates.min_tool_call_share {_pct(share)})")
+            fails.append(f"{calling} ({percent(r['call_share'])}, under gates.min_tool_call_share {percent(share)})")
         else:
-            fine.append(f"{calling} ({_pct(r['call_share'])})")
+            fine.append(f"{calling} ({percent(r['call_share'])})")
     limit = gates.get("max_category_reject_rate")
     if records and kept:
         if limit is not None and r["reject_rate"] > limit:
-            fails.append(f"{rejected}, over gates.max_category_reject_rate {_pct(limit)} ({reasons})")
+            fails.append(f"{rejected}, over gates.max_category_reject_rate {percent(limit)} ({reasons})")
         else:
             fine.append(rejected)
     schema = r["schema"]
     if schema["pass_rate"] is not None and schema["pass_rate"] < SCHEMA_PASS_CAVEAT:
         caveats.append(f"{schema['passed']} of {schema['to_offered_tools']} calls to offered tools pass their "
-                       f"schema ({_pct(schema['pass_rate'])})")
+                       f"schema ({percent(schema['pass_rate'])})")
     not_offered = sum(t["called_not_offered"] for t in r["tools"].values())
     if not_offered:
         caveats.append(f"{not_offered} calls name a tool their record does not offer")
@@ -368,10 +364,10 @@ def default_gates() -> dict:
 def render(r: dict) -> str:
     """The report for a terminal: the verdict line, then the counts, then the examples."""
     cat, kept = r["category"], r["kept"]
-    thresholds = ", ".join(f"{k} {'off' if v is None else _pct(v)}" for k, v in r["thresholds"].items())
+    thresholds = ", ".join(f"{k} {'off' if v is None else percent(v)}" for k, v in r["thresholds"].items())
     out = [r["line"], "",
            f"{r['output_dir']}: category {cat}, {r['shards']} shards (gates: {thresholds})",
-           f"records     {r['records']} generated, {kept} kept, {r['rejected']} rejected ({_pct(r['reject_rate'])})"]
+           f"records     {r['records']} generated, {kept} kept, {r['rejected']} rejected ({percent(r['reject_rate'])})"]
     if r["rejected_by_reason"]:
         out.append("rejected by reason (a record can have several):")
         out += [f"  {code:<24}{n:>6}" for code, n in r["rejected_by_reason"].items()]
@@ -381,7 +377,7 @@ def render(r: dict) -> str:
         if n or cls != "bad_call":
             closing = (f" ({r['prose_closing_replay']} close a replayed conversation)"
                        if cls == "prose" and r["prose_closing_replay"] else "")
-            out.append(f"  {CLASS_TEXT[cls]:<24}{n:>6}  {_pct(n / kept) if kept else '-':>6}{closing}")
+            out.append(f"  {CLASS_TEXT[cls]:<24}{n:>6}  {percent(n / kept) if kept else '-':>6}{closing}")
     if r["tools"]:
         width = max(24, *(len(n) + 2 for n in r["tools"]))
         out.append(f"{'tools':<{width}}{'offered':>8}{'called':>8}{'in kept':>8}{'not offered':>13}")
@@ -395,7 +391,7 @@ def render(r: dict) -> str:
     if s["calls"]:
         failures = ", ".join(f"{c} {n}" for c, n in s["failures"].items())
         out.append(f"argument schemas: {s['passed']} of {s['to_offered_tools']} calls to offered tools pass"
-                   + (f" ({_pct(s['pass_rate'])})" if s["pass_rate"] is not None else "")
+                   + (f" ({percent(s['pass_rate'])})" if s["pass_rate"] is not None else "")
                    + (f"; failing: {failures}" if failures else "")
                    + (f"; {s['calls'] - s['to_offered_tools']} more name a tool not offered"
                       if s["calls"] > s["to_offered_tools"] else ""))

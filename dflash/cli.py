@@ -39,9 +39,9 @@ def _target(cfg, a):
 
 
 def _generate(cfg, a):
-    from dflash.generate import generate_shard
+    from dflash.generate import generate_job
 
-    generate_shard(a.prompts, a.out, a.target, cfg["generate"], a.summary, repetition=cfg["validate"]["repetition"])
+    generate_job(cfg, a.prompts, a.out, a.target, a.summary)
 
 
 def _validate(cfg, a):

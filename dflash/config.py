@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import json
 import os
 import re
@@ -31,8 +32,13 @@ def schema_path() -> Path:
     return Path(str(resources.files("dflash").joinpath(SCHEMA_FILE)))
 
 
-def load_schema() -> dict:
+@functools.cache
+def _schema() -> dict:
     return yaml.safe_load(schema_path().read_text(encoding="utf-8"))
+
+
+def load_schema() -> dict:
+    return copy.deepcopy(_schema())  # a caller's changes stay its own
 
 
 def _with_defaults(cls):
@@ -50,6 +56,26 @@ def _with_defaults(cls):
 
 
 _Filling = _with_defaults(Draft202012Validator)
+
+
+def defaults(section: str) -> dict:
+    """The schema's defaults of one top-level section, its nested sections filled too: the one
+    source of every default. Code handed part of a section (a test, a bench script, a library
+    call) completes it from here, so nothing restates a default the schema states."""
+    instance: dict = {section: {}}
+    for _ in _Filling(_schema()).iter_errors(instance):  # filling happens as it validates
+        pass
+    return instance[section]
+
+
+def completed(cfg: dict, section: str) -> dict:
+    """``cfg``, some of a section's keys, over that section's defaults (nested mappings merged key
+    by key): what code handed part of a section reads. A loaded config is complete already."""
+    def merged(base: dict, over: dict) -> dict:
+        return {**base, **{k: merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+                           for k, v in over.items()}}
+
+    return merged(defaults(section), cfg)
 
 
 def _allowed_keys(schema: dict, path: list) -> list[str]:

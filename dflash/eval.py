@@ -44,8 +44,7 @@ from dflash.acceptance import eval_result, per_step, settings, summaries, write_
 from dflash.chat import render, stop_token_ids
 from dflash.drafter import DFlashDraftModel, TargetIO, load_drafter
 from dflash.hidden import capture_layers, decoder_layers, forward_features
-from dflash.models import check_fast_kernels, target_model
-from dflash.train import pick_device
+from dflash.models import check_fast_kernels, pick_device, target_model
 from dflash.workflow import progress
 
 def untrained_drafter(drafter: Path | Qwen3Config, seed: int = 0) -> tuple[DFlashDraftModel, Qwen3Config]:
@@ -218,7 +217,7 @@ def speculative_generate(target: PreTrainedModel, drafter: DFlashDraftModel | No
 def load_target(target_dir: Path, cfg: dict) -> PreTrainedModel:
     device = pick_device(cfg["device"])
     # on the config: a large target would take minutes to load before the job stops
-    check_fast_kernels(AutoConfig.from_pretrained(target_dir), device, cfg.get("fast_kernels", "require"),
+    check_fast_kernels(AutoConfig.from_pretrained(target_dir), device, cfg["fast_kernels"],
                        logging.getLogger(__name__))
     return target_model(target_dir, "auto").to(device)
 

@@ -11,7 +11,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from dflash.io import human_bytes, read_json, write_json
+from dflash.io import human_bytes, percent, read_json, write_json
 from dflash.validate import EXAMPLES_PER_REASON, LENGTH_BINS, TOOL_CATEGORY, length_stats
 
 log = logging.getLogger(__name__)
@@ -93,10 +93,6 @@ def write_qa_summary(qa_paths: list[Path], index_paths: list[Path], out_path: Pa
     return summary
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
-
-
 def evaluate_gates(summary: dict, gates: dict, cache: dict | None = None) -> list[dict]:
     """One verdict per configured gate: ``{gate, threshold, value, passed, message}``. ``cache``
     (the offline hidden-state cache: ``cache_plan`` plus ``max_bytes``) adds ``max_cache_bytes``."""
@@ -117,25 +113,25 @@ def evaluate_gates(summary: dict, gates: dict, cache: dict | None = None) -> lis
     if gates["max_reject_rate"] is not None:
         value = summary["reject_rate"]
         verdict("max_reject_rate", value, value <= gates["max_reject_rate"],
-                f"{_pct(value)} of {summary['records']} records rejected (limit {_pct(gates['max_reject_rate'])})")
+                f"{percent(value)} of {summary['records']} records rejected (limit {percent(gates['max_reject_rate'])})")
     if gates["max_category_reject_rate"] is not None:
         worst = max(summary["categories"].items(), key=lambda kv: kv[1]["reject_rate"], default=(None, None))
         value = worst[1]["reject_rate"] if worst[0] else 0.0
         verdict("max_category_reject_rate", value, value <= gates["max_category_reject_rate"],
-                f"{_pct(value)} of category {worst[0]!r} rejected (limit {_pct(gates['max_category_reject_rate'])})")
+                f"{percent(value)} of category {worst[0]!r} rejected (limit {percent(gates['max_category_reject_rate'])})")
     if gates["min_tool_call_share"] is not None and TOOL_CATEGORY in summary["categories"]:
         counts = summary["categories"][TOOL_CATEGORY]
         calling, kept = counts.get("kept_calling_tool", 0), counts.get("kept", 0)
         value = calling / kept if kept else 0.0
         verdict("min_tool_call_share", value, value >= gates["min_tool_call_share"],
-                f"{calling} of {kept} kept {TOOL_CATEGORY!r} records call a tool ({_pct(value)}, minimum "
-                f"{_pct(gates['min_tool_call_share'])})")
+                f"{calling} of {kept} kept {TOOL_CATEGORY!r} records call a tool ({percent(value)}, minimum "
+                f"{percent(gates['min_tool_call_share'])})")
     if gates["max_trivial_share"] is not None:
         trivial = summary["checks"].get("trivial", {"total": 0})["total"]
         value = trivial / summary["records"] if summary["records"] else 0.0
         verdict("max_trivial_share", value, value <= gates["max_trivial_share"],
-                f"{_pct(value)} of records are trivial, {trivial} of {summary['records']} "
-                f"(limit {_pct(gates['max_trivial_share'])})")
+                f"{percent(value)} of records are trivial, {trivial} of {summary['records']} "
+                f"(limit {percent(gates['max_trivial_share'])})")
     if gates["min_median_trainable_tokens"] is not None:
         value = summary["trainable_tokens"]["median"]
         verdict("min_median_trainable_tokens", value, value >= gates["min_median_trainable_tokens"],

@@ -27,6 +27,7 @@ import torch
 
 from dflash.adopt import adopted_record
 from dflash.chat import TokenScreen, finish_reason, output_body, render, served_output, split_reasoning, stop_token_ids
+from dflash.config import completed
 from dflash.errors import describe
 from dflash.io import atomic_files, atomic_path, dumps_line, json_text, naming_full_disk, zst_lines
 from dflash.records import checked_records
@@ -80,8 +81,9 @@ class TransformersBackend:
         self.model_name = Path(target_dir).name
         self.engine_version = f"transformers {transformers.__version__}, torch {torch.__version__}"
         self.stop = stop_token_ids(self.tokenizer, self.model.generation_config)
-        self.loop_thresholds = repetition if cfg.get("loop_abort", True) else None
-        self.batch_size = cfg.get("batch_size", 1)
+        cfg = completed(cfg, "generate")
+        self.loop_thresholds = repetition if cfg["loop_abort"] else None
+        self.batch_size = cfg["batch_size"]
 
     def generation_config(self):
         return self.model.generation_config
@@ -197,8 +199,9 @@ class OpenAIBackend:
     def __init__(self, target_dir: str | Path, cfg: dict, repetition: dict | None = None):
         from transformers import AutoTokenizer, GenerationConfig
 
+        cfg = completed(cfg, "generate")
         server = cfg["server"]
-        if not server.get("url"):
+        if not server["url"]:
             raise ValueError("generate.backend 'openai' needs generate.server.url (e.g. http://127.0.0.1:30000/v1), "
                              "or generate.server.launch and a run through Snakemake, which starts the server")
         self.url = server["url"].rstrip("/")
@@ -213,7 +216,7 @@ class OpenAIBackend:
         self.down = threading.Event()  # set once the server is judged gone; wakes threads in backoff
         self.down_reason = ""
         self.model_name = server["model"] or str(target_dir)
-        self.key = key = os.environ.get(server["api_key_env"]) if server.get("api_key_env") else None
+        self.key = key = os.environ.get(server["api_key_env"]) if server["api_key_env"] else None
         self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         self.token_screen = TokenScreen(self.tokenizer)
@@ -223,14 +226,14 @@ class OpenAIBackend:
             self._generation_config = GenerationConfig()
         self.stop = stop_token_ids(self.tokenizer, self._generation_config)
         self.engine_version = f"{self.dialect} server at {self.url}"
-        stream = server.get("stream")
+        stream = server["stream"]
         if stream and self.dialect not in self.STREAM_IDS:
             raise ValueError(f"generate.server.stream is true but the {self.dialect} dialect's chat stream carries no "
                              f"exact token ids (only {', '.join(sorted(self.STREAM_IDS))}'s does): set it to null "
                              f"(stream where the ids come with it) or false")
         self.stream = self.dialect in self.STREAM_IDS if stream is None else stream
         # The LoopWatch thresholds: the validator's, so that an aborted record is one it rejects.
-        self.loop_thresholds = repetition if self.stream and cfg.get("loop_abort", True) and repetition else None
+        self.loop_thresholds = repetition if self.stream and cfg["loop_abort"] and repetition else None
 
     def generation_config(self):
         return self._generation_config
@@ -542,6 +545,24 @@ def generate_batched(prompts: list[dict], backend: TransformersBackend, sampling
                 finish(done.value)
 
 
+def generate_pending(prompts: list[dict], backend, cfg: dict, sampling: dict, thinking: bool, finish) -> None:
+    """Each prompt's records, handed to ``finish`` as its conversation ends: in batches in process,
+    else one request at a time or ``server.concurrency`` of them in flight."""
+    if cfg["backend"] == "transformers":
+        generate_batched(prompts, backend, sampling, thinking, finish)
+    elif (concurrency := cfg["server"]["concurrency"]) == 1:
+        for prompt in prompts:
+            finish(generate_conversation(prompt, backend, sampling, thinking))
+    else:
+        with ThreadPoolExecutor(concurrency) as pool:
+            futures = [pool.submit(generate_conversation, p, backend, sampling, thinking) for p in prompts]
+            try:
+                for future in as_completed(futures):
+                    finish(future.result())
+            finally:
+                pool.shutdown(cancel_futures=True)
+
+
 def settings_digest(cfg: dict, target_dir: str | Path) -> str:
     """What decides a shard's records, as one short digest each record carries: the settings that
     shape them (``workflow.record_settings``) and the model that writes them. A resumed shard keeps
@@ -659,6 +680,7 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
     added to the summary (the run's spend so far). ``repetition``: validate.repetition, the
     thresholds of the loop watch of a streamed generation (``generate.loop_abort``); None: no watch.
     """
+    cfg = completed(cfg, "generate")
     prompts = [rec for _, rec in checked_records(prompts_path, "prompt", "generate reads the prompts/ shards of the "
                                                                          "prompts stage")]
     ids = [p["id"] for p in prompts]
@@ -668,7 +690,7 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
                          f"every prompt id must be unique: re-run the prompts rule")
     partial = partial_path(out_path)
     partial.parent.mkdir(parents=True, exist_ok=True)  # as every stage does: the lock and resume files go there first
-    save = cfg.get("save_every") or {"records": 100, "seconds": 300}
+    save = cfg["save_every"]
     mirror = PartialMirror(partial, save["records"], save["seconds"])
     with shard_lock(out_path):
         keep_finished_output(Path(out_path), partial)
@@ -676,6 +698,19 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
         from_pilot = seed_from_pilot(partial, pilot, set(ids))
         return _generate_shard(prompts, ids, prompts_path, out_path, partial, target_dir, cfg, summary_path, mirror,
                                from_pilot, annotate, repetition)
+
+
+def generate_job(config: dict, prompts_path: Path, out_path: Path, target_dir: Path, summary_path: Path | None,
+                 pilot: Path | None = None, server: Path | None = None) -> dict:
+    """One generate job as the rule and ``dflash generate`` run it: the server the job's group
+    started (``server``: its service file), the run's budget (``dflash.budget.budget_watch``), then
+    the shard, its streams watched for loops with the validator's thresholds."""
+    from dflash.budget import budget_watch
+
+    cfg = use_started_server(config["generate"], server) if server else config["generate"]
+    annotate = budget_watch(config, summary_path, pilot, prompts_path)
+    return generate_shard(prompts_path, out_path, target_dir, cfg, summary_path, pilot=pilot, annotate=annotate,
+                          repetition=config["validate"]["repetition"])
 
 
 def seed_from_pilot(partial: Path, pilot: Path | None, ids: set[str]) -> set[str]:
@@ -740,21 +775,8 @@ def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out
                                      f"{prompt['meta']['index'] + 1}): {describe(e)}") from None
                 finish([rec])
         try:
-            if not pending:
-                pass
-            elif cfg["backend"] == "transformers":
-                generate_batched(pending, backend, sampling, thinking, finish)
-            elif (concurrency := cfg["server"]["concurrency"]) == 1:
-                for prompt in pending:
-                    finish(generate_conversation(prompt, backend, sampling, thinking))
-            else:
-                with ThreadPoolExecutor(concurrency) as pool:
-                    futures = [pool.submit(generate_conversation, p, backend, sampling, thinking) for p in pending]
-                    try:
-                        for future in as_completed(futures):
-                            finish(future.result())
-                    finally:
-                        pool.shutdown(cancel_futures=True)
+            if pending:
+                generate_pending(pending, backend, cfg, sampling, thinking, finish)
         except ServerDown as e:
             bar.close()
             mirror.push()

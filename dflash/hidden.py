@@ -145,8 +145,7 @@ def capture_shard(tokenized_path: Path, out_path: Path, target_dir: Path, layers
     from transformers import AutoConfig
 
     from dflash.io import atomic_path, load_safetensors
-    from dflash.models import check_fast_kernels, load_target
-    from dflash.train import pick_device
+    from dflash.models import check_fast_kernels, load_target, pick_device
     from dflash.workflow import HIDDEN_FORMAT, progress
 
     rows = load_safetensors(tokenized_path, ("input_ids", "offsets"), "a tokenized shard")

@@ -552,6 +552,11 @@ def human_bytes(n: float) -> str:
         n /= 1000
 
 
+def percent(share: float) -> str:
+    """0.0857 -> '8.6%'."""
+    return f"{share:.1%}"
+
+
 def human_duration(seconds: float) -> str:
     """Seconds as a reader weighs them: '42 s', '15.2 min', '17.5 h', '16.5 days'."""
     hours = seconds / 3600

@@ -15,6 +15,13 @@ import torch
 from dflash.io import REWRITE
 
 
+def pick_device(name: str) -> torch.device:
+    """A config's ``device``: "auto" is CUDA when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def target_model(path: str | Path, dtype=torch.float32):
     """The model of a model folder, in eval mode; weights cut short or damaged are one line naming
     the folder (safetensors' own error names no file)."""

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from dflash.benchmarks import stage_costs
-from dflash.io import atomic_path, human_bytes, human_duration, read_json, write_json
+from dflash.io import atomic_path, human_bytes, human_duration, percent, read_json, write_json
 from dflash.validate import EXAMPLES_PER_REASON, TOOL_CATEGORY
 
 SUMMARY_PAGE, QA_PAGE = "summary.html", "qa.html"  # side by side in report/, linked by these names
@@ -133,17 +133,13 @@ def _fmt(v) -> str:
             else f"{v:.2g}")
 
 
-def _pct(x: float) -> str:
-    return f"{x:.1%}"
-
-
 def _gate_value(gate: str, v) -> str:
     """Bytes in human units, rates and shares as percentages."""
     if v is None:
         return "-"
     if gate.endswith("_bytes"):
         return human_bytes(v)
-    return _pct(v) if ("rate" in gate or "share" in gate) else _fmt(v)
+    return percent(v) if ("rate" in gate or "share" in gate) else _fmt(v)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,7 +161,7 @@ def _acceptance_fact(s: dict) -> tuple[str, str] | None:
     main = f"{trained:.2f} trained vs {plain:.2f} untrained" if plain else f"{trained:.2f}"
     note = (f"On {ev['prompts']:,} held-out prompts each target forward pass yielded {trained:.2f} tokens with the "
             f"trained drafter ({f'{plain:.2f} with an untrained one; ' if plain else ''}1.00 = no speed-up): "
-            f"{_pct(saved)} fewer target forwards than plain decoding.\n")
+            f"{percent(saved)} fewer target forwards than plain decoding.\n")
     if s.get("demo_target"):
         note += (f"The target here is the tiny demo model and the drafter trained {s['train']['steps']:,} steps on "
                  f"{s['tokenized']['rows']:,} rows: this shows the stages work end to end, not what a drafter can do. "
@@ -177,7 +173,7 @@ def _acceptance_fact(s: dict) -> tuple[str, str] | None:
 
 
 def _kept_fact(v: dict) -> tuple[str, str, bool]:
-    share = _pct(v["kept"] / v["records"]) if v["records"] else "-"
+    share = percent(v["kept"] / v["records"]) if v["records"] else "-"
     main = f"{v['kept']:,} of {v['records']:,} completions kept ({share})"
     cats = {c: k for c, k in v["categories"].items() if k.get("records")}
     if not cats:
@@ -185,7 +181,7 @@ def _kept_fact(v: dict) -> tuple[str, str, bool]:
     worst, w = max(cats.items(), key=lambda kv: kv[1]["reject_rate"])
     reasons = sorted(((code, c["by_category"].get(worst, 0)) for code, c in v["checks"].items()
                       if c["action"] == "reject" and c["by_category"].get(worst)), key=lambda x: -x[1])
-    note = (f"Most rejected: {worst}, {_pct(w['reject_rate'])} of {w['records']}"
+    note = (f"Most rejected: {worst}, {percent(w['reject_rate'])} of {w['records']}"
             + (" (" + ", ".join(f"{code} {n}" for code, n in reasons[:3])
                + (f" and {len(reasons) - 3} more checks" if len(reasons) > 3 else "") + ")" if reasons else "") + ".")
     # the share the min_tool_call_share gate measures: kept tool records that make a valid call
@@ -495,12 +491,12 @@ def render_qa_html(qa: dict, about: dict | None = None, run: str | None = None) 
     counts = _table(["category", "completions", "kept", "kept calling a tool", "rejected", "reject rate",
                      "median trainable tokens"], [
         [cat, _fmt(c.get("records", 0)), _fmt(c.get("kept", 0)), _fmt(c.get("kept_calling_tool", 0)),
-         _fmt(c.get("rejected", 0)), _pct(c["reject_rate"]),
+         _fmt(c.get("rejected", 0)), percent(c["reject_rate"]),
          _fmt(qa["trainable_tokens"]["by_category"].get(cat, {}).get("median"))]
         for cat, c in qa["categories"].items()
     ] + [["all", _fmt(qa["records"]), _fmt(qa["kept"]),
           _fmt(sum(c.get("kept_calling_tool", 0) for c in qa["categories"].values())), _fmt(qa["rejected"]),
-          _pct(qa["reject_rate"]), _fmt(qa["trainable_tokens"]["median"])]])
+          percent(qa["reject_rate"]), _fmt(qa["trainable_tokens"]["median"])]])
     plots = "".join(
         _histogram_svg(f"{cat}: output tokens (n={k['output_tokens']['n']}, mean {_fmt(k['output_tokens']['mean'])}, "
                        f"max {_fmt(k['output_tokens']['max'])})", qa["length_bins"], k["output_tokens"]["histogram"],
@@ -526,7 +522,7 @@ def render_qa_html(qa: dict, about: dict | None = None, run: str | None = None) 
         for code, found in qa["examples"].items())
     return _page("Completion quality", f"""
 <p>{qa['records']:,} completions in {qa['shards']} shards: {qa['kept']:,} kept, {qa['rejected']:,} rejected
-({_pct(qa['reject_rate'])}).</p>
+({percent(qa['reject_rate'])}).</p>
 {counts}
 <h2>Checks: share of each category's completions hit</h2>{_check_rates(qa)}
 <h2>Output length per category</h2>
@@ -565,7 +561,7 @@ def _stages_html(stages: dict | None) -> str:
         return ""
     total = sum(c["seconds"] for c in stages.values()) or 1
     return _table(["stage", "jobs", "job time", "share", "", "peak memory"], [
-        [stage, c["jobs"], human_duration(c["seconds"]), _pct(c["seconds"] / total),
+        [stage, c["jobs"], human_duration(c["seconds"]), percent(c["seconds"] / total),
          f'<div class="bar" style="width:{100 * c["seconds"] / total:.1f}%"></div>',
          human_bytes(c["max_rss_bytes"]) if c["max_rss_bytes"] else "-"]
         for stage, c in stages.items()
@@ -587,7 +583,7 @@ def render_html(s: dict) -> str:
     stages = _table(["stage", "count"], [[name, _fmt(n) if isinstance(n, (int, float)) else n] for name, n in [
         ["training prompts", p["prompts"]], ["prompt shards", len(p["shards"])], ["held-out prompts", p["heldout"]],
         ["duplicates dropped", p["dropped"].get("duplicate", 0)], ["completions", v["records"]],
-        ["validated (kept)", v["kept"]], ["rejected", f"{v['rejected']:,} ({_pct(v['reject_rate'])})"],
+        ["validated (kept)", v["kept"]], ["rejected", f"{v['rejected']:,} ({percent(v['reject_rate'])})"],
         ["tokenized rows", t["rows"]], ["tokens", t["tokens"]], ["trainable tokens", t["trainable_tokens"]],
         ["rows dropped (no anchor)", t["dropped_no_anchor"]], ["rows truncated", t["truncated"]],
         ["train steps", tr["steps"]],

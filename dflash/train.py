@@ -9,54 +9,9 @@ slot, D-PACE position weights (each slot weighted, without gradient, by the acce
 still add given the drafter's smoothed confidence up to it), summed and divided by the number of
 supervised slots in the step's global batch.
 
-``cfg`` keys (the config's ``drafter`` and ``train`` sections merged; unknown keys are errors):
-
-drafter architecture (``None`` = take the target's value)
-    num_layers: int = 5                   draft decoder layers
-    intermediate_size: int | None = None  MLP width
-    num_heads: int | None = None          attention heads
-    num_kv_heads: int | None = None       key/value heads
-    head_dim: int | None = None
-    block_size: int = 16                  tokens per block (anchor + block_size-1 drafted)
-    mask_token_id: int (required)         id fed for the not-yet-drafted block positions
-    target_layer_ids: list[int] | None = None   None = reference formula (build_target_layer_ids)
-    layer_types: list[str] | None = None  per layer "full_attention" | "sliding_attention";
-                                          None = all full attention
-    sliding_window: int = 2048            window of the sliding-attention layers
-training
-    steps: int = 1000                     optimizer steps
-    batch_size: int = 4                   rows per step
-    lr: float = 6e-4                      peak learning rate
-    warmup_ratio: float = 0.01            fraction of steps with linear warmup
-    min_lr_ratio: float = 0.0             cosine decay floor, as a fraction of lr
-    weight_decay: float = 0.1             decay of the matrices (not the norm gains)
-    optimizer: str = "muon"               "muon": torch's Muon for the hidden matrices (its update
-                                          matched to AdamW's size, so the same lr), AdamW for fc (the
-                                          input layer, reading the target's features) and the gains;
-                                          "adamw": AdamW for all
-    feature_noise: float = 0.0            Gaussian noise on the target features, times each token's
-                                          RMS per layer (0 = none)
-    grad_clip: float | None = 1.0         max global grad norm; None = no clipping
-    num_anchors: int = 512                blocks per row and step (fewer if the row has fewer)
-    loss: dict                            the objective (dflash.objective): ``weights`` "dpace" |
-                                          "decay", ``dpace_alpha`` 0.5, ``decay_gamma`` 7.0 (decay:
-                                          exp(-(k-1)/gamma), None = uniform), ``labels`` "target"
-                                          (the target's greedy tokens: from the cache's
-                                          ``target_argmax``, or the online target) | "data"
-    seed: int = 0                         model init, row order and anchors
-    log_every: int = 10                   steps per train_log.jsonl line
-    save_every: int = 200                 steps per resume point (0: none); a re-run resumes
-    parallel: str = "ddp"                 under torchrun (WORLD_SIZE > 1): "ddp" or "fsdp"
-    hidden_states: str = "offline"        "offline": read the cache; "online": run the target per row
-    loss_chunk_tokens: int = 2048         supervised positions per lm_head chunk: the loss holds one
-                                          chunk of fp32 logits (loss_chunk_tokens x vocab x 4 bytes;
-                                          up to twice that under bf16 autocast) at a time
-    prefetch: int = 2                     batches read and laid out ahead in a background thread
-                                          (0 = none; "online" builds them in the loop)
-    device: str = "auto"                  "auto" = cuda when available, else cpu
-    fast_kernels: str = "require"         ``target.fast_kernels``: online on CUDA, a hybrid target
-                                          without its linear-attention kernels stops the run
-                                          ("require") or only warns ("warn")
+``cfg``: the config's ``drafter`` and ``train`` sections merged (``mask_token`` resolved to
+``mask_token_id``, ``gpus`` left to the launcher) and ``target.fast_kernels``; keys left out take
+the schema's defaults (``dflash/schemas/config.schema.yaml`` documents each), unknown keys are errors.
 
 Output directory (written under a temporary name, renamed when complete):
 ``config.json`` + ``model.safetensors`` (the drafter, reference layout), ``train_log.jsonl``
@@ -84,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, closing, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from transformers import AutoConfig, Qwen3Config
@@ -93,44 +48,12 @@ from dflash.hidden import cached_features, check_token_ids, features_and_greedy,
 from dflash.objective import LABELS, WEIGHTS, block_labels, block_loss, supervision
 from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config, write_drafter_state
 from dflash.serving import serving_problems
+from dflash.config import defaults
 from dflash.errors import RANK_ERRORS, first_rank_error, rank_error_recorded
 from dflash.io import atomic_dir, atomic_path, load_safetensors, open_safetensors, read_json, replace_problem
-from dflash.models import check_fast_kernels
+from dflash.models import check_fast_kernels, pick_device
 from dflash.workflow import CONSOLE_FD, drafter_train_cfg, job_console, progress
 
-REQUIRED = object()
-DEFAULTS: dict[str, Any] = {
-    "num_layers": 5,
-    "intermediate_size": None,
-    "num_heads": None,
-    "num_kv_heads": None,
-    "head_dim": None,
-    "block_size": 16,
-    "mask_token_id": REQUIRED,
-    "target_layer_ids": None,
-    "layer_types": None,
-    "sliding_window": 2048,
-    "steps": 1000,
-    "batch_size": 4,
-    "lr": 6e-4,
-    "warmup_ratio": 0.01,
-    "min_lr_ratio": 0.0,
-    "weight_decay": 0.1,
-    "optimizer": "muon",
-    "feature_noise": 0.0,
-    "grad_clip": 1.0,
-    "num_anchors": 512,
-    "loss": {"weights": "dpace", "dpace_alpha": 0.5, "decay_gamma": 7.0, "labels": "target"},
-    "seed": 0,
-    "log_every": 10,
-    "save_every": 200,
-    "parallel": "ddp",
-    "hidden_states": "offline",
-    "loss_chunk_tokens": 2048,
-    "prefetch": 2,
-    "device": "auto",
-    "fast_kernels": "require",
-}
 OPTIMIZERS = ("adamw", "muon")
 ARCH_KEYS = ("num_layers", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "block_size",
              "mask_token_id", "target_layer_ids", "layer_types", "sliding_window")
@@ -156,13 +79,22 @@ def planned_drafter_config(drafter: dict, target_dir: str | Path) -> Qwen3Config
     return drafter_config(cfg, AutoConfig.from_pretrained(target_dir).get_text_config())
 
 
+def trainer_defaults() -> dict:
+    """What the trainer takes, at the schema's defaults: the drafter and train sections as
+    ``drafter_train_cfg`` merges them, and the target's ``fast_kernels``."""
+    drafter = {k: v for k, v in defaults("drafter").items() if k != "mask_token"}
+    train = {k: v for k, v in defaults("train").items() if k != "gpus"}
+    return {**drafter, **train, "fast_kernels": defaults("target")["fast_kernels"]}
+
+
 def resolve_cfg(cfg: dict) -> dict:
-    unknown = sorted(set(cfg) - set(DEFAULTS))
+    known = trainer_defaults()
+    unknown = sorted(set(cfg) - set(known))
     if unknown:
         raise ValueError(f"unknown drafter/train settings: {unknown}")
-    merged = {**DEFAULTS, **cfg}
-    merged["loss"] = {**DEFAULTS["loss"], **(cfg.get("loss") or {})}
-    if unknown := sorted(set(merged["loss"]) - set(DEFAULTS["loss"])):
+    merged = {**known, **cfg}
+    merged["loss"] = {**known["loss"], **(cfg.get("loss") or {})}
+    if unknown := sorted(set(merged["loss"]) - set(known["loss"])):
         raise ValueError(f"unknown train.loss settings: {unknown}")
     if merged["loss"]["weights"] not in WEIGHTS or merged["loss"]["labels"] not in LABELS:
         raise ValueError(f"train.loss.weights must be one of {WEIGHTS} and train.loss.labels one of {LABELS}")
@@ -170,20 +102,13 @@ def resolve_cfg(cfg: dict) -> dict:
         raise ValueError(f"train.optimizer must be one of {OPTIMIZERS}")
     if not 0 < merged["loss"]["dpace_alpha"] <= 1:
         raise ValueError("train.loss.dpace_alpha must be in (0, 1]")
-    missing = [k for k, v in merged.items() if v is REQUIRED]
-    if missing:
-        raise ValueError(f"missing required drafter/train settings: {missing}")
+    if merged["mask_token_id"] is None:  # the pipeline resolves drafter.mask_token to it (drafter_train_cfg)
+        raise ValueError("missing required drafter/train settings: ['mask_token_id']")
     if min(merged[k] for k in ("steps", "batch_size", "num_anchors", "log_every", "loss_chunk_tokens")) < 1:
         raise ValueError("steps, batch_size, num_anchors, log_every and loss_chunk_tokens must be >= 1")
     if merged["prefetch"] < 0 or merged["feature_noise"] < 0:
         raise ValueError("prefetch and feature_noise must be >= 0")
     return merged
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,7 +342,7 @@ def make_batch(rows: list[Row], features: list[torch.Tensor], anchors: list[torc
 
 
 def draft_loss(model: torch.nn.Module, io: TargetIO, batch: Batch, B: int, loss: dict, supervised: int | torch.Tensor,
-               world: int = 1, chunk_tokens: int = DEFAULTS["loss_chunk_tokens"]):
+               world: int = 1, *, chunk_tokens: int):
     """The drafter's forward over a batch and its loss (``dflash.objective.block_loss``, whose
     arguments these are). ``model`` may be wrapped (DDP, FSDP); ``B`` is its block size."""
     hidden = model(io.embed(batch.block_ids), batch.block_pos, batch.context, batch.context_pos, batch.context_valid)
@@ -758,7 +683,7 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
 
             with autocast:
                 loss, parts = draft_loss(model, io, batch, B, cfg["loss"], supervised, dist.world,
-                                         cfg["loss_chunk_tokens"])
+                                         chunk_tokens=cfg["loss_chunk_tokens"])
             loss.backward()
             if cfg["grad_clip"]:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])

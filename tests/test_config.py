@@ -16,6 +16,33 @@ def test_shipped_config_is_valid_and_gets_defaults():
     assert cfg["target"]["path"] is None
 
 
+def test_the_schema_is_the_one_source_of_defaults():
+    """No module keeps a table of defaults beside the schema's: the trainer, the eval and the
+    generate backends complete the part of a section they are handed from the schema."""
+    import ast
+
+    from dflash.acceptance import settings
+    from dflash.config import completed, defaults
+    from dflash.train import resolve_cfg, trainer_defaults
+
+    for path in sorted((ROOT / "dflash").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:  # a mapping named for defaults (DEFAULT_SITE is a path)
+            names = [t.id for t in getattr(node, "targets", [getattr(node, "target", None)]) if isinstance(t, ast.Name)]
+            table = isinstance(getattr(node, "value", None), ast.Dict)
+            assert not [n for n in names if "DEFAULT" in n.upper() and table], f"{path.relative_to(ROOT)}: {names}"
+    schema = yaml.safe_load((ROOT / "dflash" / "schemas" / "config.schema.yaml").read_text())["properties"]
+    assert settings({})["max_new_tokens"] == schema["eval"]["properties"]["max_new_tokens"]["default"] == 256
+    assert settings({})["vllm"] == defaults("eval")["vllm"] and settings({})["fast_kernels"] == "require"
+    resolved = resolve_cfg({"mask_token_id": 5, "loss": {"labels": "data"}})
+    assert resolved == {**trainer_defaults(), "mask_token_id": 5, "loss": {**defaults("train")["loss"], "labels": "data"}}
+    assert resolved["steps"] == schema["train"]["properties"]["steps"]["default"] and "gpus" not in resolved
+    with pytest.raises(ValueError, match="mask_token_id"):
+        resolve_cfg({})
+    part = completed({"batch_size": 4, "server": {"url": "http://h/v1"}}, "generate")
+    assert part["batch_size"] == 4 and part["server"]["url"] == "http://h/v1"
+    assert part["server"]["retries"] == defaults("generate")["server"]["retries"] and part["loop_abort"] is True
+
+
 def test_misspelled_key_names_key_file_and_suggestion(tmp_path):
     raw = yaml.safe_load((ROOT / "config.yaml").read_text())
     raw["generate"]["samplng"] = raw["generate"].pop("sampling")

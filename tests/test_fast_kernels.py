@@ -131,12 +131,14 @@ def test_cli_eval_passes_the_target_policy(monkeypatch):
 def test_hidden_and_online_training_stop_before_loading_the_target(monkeypatch, tmp_path):
     """The hidden job and online training run the target too: the same line, before any weights
     are read (the target folder here holds a config and no weights)."""
+    import dflash.models
     import dflash.train
     from safetensors.torch import save_file
 
     from dflash.hidden import capture_shard
 
     hybrid().save_pretrained(tmp_path / "target")
+    monkeypatch.setattr(dflash.models, "pick_device", lambda name: CUDA)  # the hidden stage's
     monkeypatch.setattr(dflash.train, "pick_device", lambda name: CUDA)
     save_file({"input_ids": torch.tensor([1, 2, 3], dtype=torch.int32), "offsets": torch.tensor([0, 3])},
               tmp_path / "t.safetensors")
