@@ -201,7 +201,8 @@ def client(side: str, work: Path, warmup: Path, shards: list[Path], out: Path, s
         from transformers import AutoTokenizer
 
         from dflash.chat import stop_token_ids
-        from dflash.generate import OpenAIBackend, resolve_sampling, sample_seed
+        from dflash.backends import OpenAIBackend, resolve_sampling
+        from dflash.replay import sample_seed
 
         backend = OpenAIBackend(target, cfg)  # only to prebuild the bodies the stage sends
         sampling = resolve_sampling(cfg, backend.generation_config())

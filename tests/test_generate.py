@@ -4,7 +4,9 @@ from pathlib import Path
 import pytest
 
 from dflash.chat import split_reasoning
-from dflash.generate import generate_shard, partial_path, sample_seed
+from dflash.generate import generate_shard
+from dflash.replay import sample_seed
+from dflash.resume import partial_path
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source
 from dflash.records import record_errors

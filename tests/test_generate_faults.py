@@ -82,7 +82,7 @@ def test_a_dead_server_fails_the_job_at_once_keeping_what_finished(tmp_path, tar
     prompts, 64 in flight, 3 retries each with backoff. The job stops after 16 refusals in a row
     instead of retrying all 50 prompts for about a minute."""
     from dflash.cli import main
-    from dflash.generate import partial_path
+    from dflash.resume import partial_path
     from dflash.server import free_port
 
     prompts = [r for src in demo_sources for r in read_source(src)][:50]

@@ -10,9 +10,11 @@ import json
 
 import pytest
 
-from dflash import generate
-from dflash.generate import (TransformersBackend, generate_conversation, generate_shard, partial_path,
-                             resolve_sampling)
+from dflash import backends
+from dflash.backends import TransformersBackend, resolve_sampling
+from dflash.generate import generate_shard
+from dflash.replay import generate_conversation
+from dflash.resume import partial_path
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source
 from dflash.records import record_errors
@@ -135,7 +137,7 @@ def test_truncated_generation_stops_the_conversation(backend, exchange_prompt, m
 
 def test_shard_with_replays_resumes_whole_conversations(tmp_path, target_dir, exchange_prompt, demo_sources,
                                                         monkeypatch):
-    monkeypatch.setitem(generate.BACKENDS, "transformers",
+    monkeypatch.setitem(backends.BACKENDS, "transformers",
                         lambda target, cfg, repetition: scripted(TransformersBackend(target, cfg), [RATE, CONVERT, ANSWER]))
     chat = next(read_source(next(s for s in demo_sources if s["name"] == "demo-chat")))
     shard, out = tmp_path / "shard-00000.jsonl.zst", tmp_path / "out.jsonl.zst"

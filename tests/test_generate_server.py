@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from dflash.chat import split_reasoning
-from dflash.generate import generate_shard, partial_path
+from dflash.generate import generate_shard
+from dflash.resume import partial_path
 from dflash.io import read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source
 from dflash.server import ServerProcess, free_port

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.generate import IncrementalText, OpenAIBackend
+from dflash.backends import IncrementalText, OpenAIBackend
 from dflash.teach import build_tokenizer, load_conversations
 
 

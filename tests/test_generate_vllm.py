@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash.generate import generate_shard, partial_path
+from dflash.generate import generate_shard
+from dflash.resume import partial_path
 from dflash.io import read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source
 

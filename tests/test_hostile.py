@@ -234,7 +234,8 @@ def test_the_models_own_turn_never_becomes_a_control_token_of_the_next_prompt(ta
     """A model that writes <|im_start|> inside its turn cannot be had on demand from a real one: this
     backend returns such a turn, and everything else is the real replay loop."""
     from dflash.chat import TokenScreen
-    from dflash.generate import Generation, generate_conversation
+    from dflash.backends import Generation
+    from dflash.replay import generate_conversation
 
     class WritesAControlToken:
         name, engine_version, model_name = "test", "test", "test"
@@ -261,7 +262,8 @@ def test_the_models_own_turn_never_becomes_a_control_token_of_the_next_prompt(ta
 # ---- 8-10: silent wrong output -------------------------------------------------------------------
 
 def test_a_resumed_shard_keeps_only_records_of_its_own_settings(tmp_path, target_dir, capsys):
-    from dflash.generate import generate_shard, partial_path
+    from dflash.generate import generate_shard
+    from dflash.resume import partial_path
 
     cfg = load_config(ROOT / "config.yaml")["generate"]
     cfg["sampling"].update(max_tokens=4, temperature=0.0)

@@ -105,7 +105,7 @@ def test_tool_call_replay_rows_are_token_exact_on_both_paths(tmp_path, tok):
     """A replayed tool conversation (one record per assistant generation, the history as the
     generate stage feeds it back): rows from ids and rows from text agree token for token, and the
     template drops the reasoning of turns before the last user query while keeping the agent loop's."""
-    from dflash.generate import assistant_turn
+    from dflash.replay import assistant_turn
     from tests.test_adopt import PARIS, TOOLS, emitted, turn
 
     history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet."},

@@ -1,0 +1,377 @@
+"""Generate backends: where a completion comes from. ``transformers`` runs the target in process,
+requests decoded in batches (``dflash.decode``); ``openai`` asks any OpenAI-compatible chat
+server, its ``dialect`` deciding what is asked for and where the exact token ids come back. Each
+request gives a :class:`Generation`."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash.chat import TokenScreen, finish_reason, output_body, render, served_output, stop_token_ids
+from dflash.config import completed
+from dflash.loops import LoopWatch
+
+
+def resolve_sampling(cfg: dict, generation_config) -> dict:
+    """Sampling params from config, unset ones taken from the model's generation_config."""
+    s = dict(cfg["sampling"])
+    for key in ("temperature", "top_p", "top_k"):
+        if s.get(key) is None:
+            s[key] = getattr(generation_config, key, None)
+    if s["temperature"] is None:
+        s["temperature"] = 1.0
+    return s
+
+
+@dataclass
+class Generation:
+    """What a backend returns for one prompt. Ids are None when the engine does not report them."""
+
+    text: str
+    finish_reason: str
+    prompt_ids: list[int] | None
+    output_ids: list[int] | None
+    prompt_tokens: int
+    completion_tokens: int
+    reconstructed: bool = False  # text rebuilt from parsed server fields, not decoded from ids
+    loop: dict | None = None  # {pattern, first_position} when the client cut a looping stream (loop_abort)
+
+
+class TransformersBackend:
+    """In-process generation with a transformers causal LM (the CPU backend), ``batch_size``
+    requests decoded together (dflash.decode)."""
+
+    name = "transformers"
+
+    def __init__(self, target_dir: str | Path, cfg: dict, repetition: dict | None = None):
+        import transformers
+
+        from dflash.models import load_target
+
+        self.model, self.tokenizer = load_target(target_dir)
+        self.token_screen = TokenScreen(self.tokenizer)
+        self.model_name = Path(target_dir).name
+        self.engine_version = f"transformers {transformers.__version__}, torch {torch.__version__}"
+        self.stop = stop_token_ids(self.tokenizer, self.model.generation_config)
+        cfg = completed(cfg, "generate")
+        self.loop_thresholds = repetition if cfg["loop_abort"] else None
+        self.batch_size = cfg["batch_size"]
+
+    def generation_config(self):
+        return self.model.generation_config
+
+    def generate_batch(self, requests: list[tuple[dict, int]], sampling: dict,
+                       thinking: bool) -> list[Generation | Exception]:
+        """A Generation for each (prompt, seed), or the exception that stopped it (a conversation
+        the template refuses fails alone)."""
+        from dflash.decode import sample_batch
+
+        results: list[Generation | Exception | None] = [None] * len(requests)
+        rows = []
+        for k, (prompt, seed) in enumerate(requests):
+            try:
+                text = render(prompt["messages"], prompt.get("tools"), self.tokenizer, thinking)
+            except ValueError as e:
+                results[k] = e
+                continue
+            rows.append((k, self.tokenizer.encode(text, add_special_tokens=False), seed))
+        if not rows:
+            return results
+        watches = [LoopStop(self.tokenizer, self.loop_thresholds) for _ in rows] if self.loop_thresholds else None
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.stop)
+        try:
+            decoded = sample_batch(self.model, [ids for _, ids, _ in rows], [seed for *_, seed in rows], sampling,
+                                   self.stop, pad, watches,
+                                   getattr(self.model.generation_config, "repetition_penalty", None) or 1.0)
+        except Exception as e:  # the batch failed as a whole (memory, say): each of its prompts says so
+            for k, _, _ in rows:
+                results[k] = e
+            return results
+        for n, ((k, prompt_ids, _), d) in enumerate(zip(rows, decoded)):
+            body = output_body(d.ids, self.stop) if d.finish == "stop" else d.ids
+            results[k] = Generation(self.tokenizer.decode(body, skip_special_tokens=False), d.finish, prompt_ids,
+                                    d.ids, len(prompt_ids), len(d.ids),
+                                    loop=watches[n].loop if d.finish == "loop_abort" else None)
+        return results
+
+    def generate(self, prompt: dict, sampling: dict, thinking: bool, seed: int) -> Generation:
+        (g,) = self.generate_batch([(prompt, seed)], sampling, thinking)
+        if isinstance(g, Exception):
+            raise g
+        return g
+
+
+class IncrementalText:
+    """The text of a growing list of token ids, handed out as deltas whose concatenation is the
+    decoding of all ids (as far as it goes): a token ending inside a multi-byte character is held
+    back until the character is complete, and each step decodes only the last few tokens, so a
+    long stream costs linear time (the usual prefix/read-offset detokenizer)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+
+    def add(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix:self.read], skip_special_tokens=False)
+        now = decode(self.ids[self.prefix:], skip_special_tokens=False)
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return now[len(before):]
+
+
+class LoopStop:
+    """The loop watch of one decoded row: fed each new token, it says (True) once the row's text is
+    certainly looping; ``loop`` is then ``{pattern, first_position}``."""
+
+    def __init__(self, tokenizer, thresholds: dict):
+        self.text, self.watch, self.loop = IncrementalText(tokenizer), LoopWatch(**thresholds), None
+
+    def __call__(self, token: int) -> bool:
+        if self.watch.feed(self.text.add([token])) and self.loop is None:
+            self.loop = {"pattern": self.watch.loop, "first_position": self.watch.first_position}
+        return self.loop is not None
+
+
+class ServerDown(ConnectionError):
+    """The server stopped answering: every recent request failed to connect, none succeeded."""
+
+
+class OpenAIBackend:
+    """Any OpenAI-compatible chat server (SGLang, vLLM, ``transformers serve`` ...), one request
+    at a time. The ``dialect`` decides which non-standard fields are sent (servers such as
+    ``transformers serve`` refuse unknown ones) and where exact token ids come back. Without ids,
+    ``text`` is rebuilt from the parsed reasoning, content and tool calls and the record is marked
+    ``generation.reconstructed``.
+
+    With ``stream`` (SSE), the ids come chunk by chunk; given ``repetition`` thresholds (the
+    validator's) and ``loop_abort``, the text so far goes through a ``LoopWatch``, and once it is
+    certainly looping the client closes the connection, which makes the server abort the request
+    (vLLM: ``vllm:generation_tokens_total`` stops growing), and the generation ends as
+    ``loop_abort`` with the ids received.
+
+    ``max_connection_failures`` connection failures in a row (over all threads, no reply in
+    between) mean the server is gone: every request then ends at once with ``ServerDown`` instead
+    of retrying each remaining prompt with backoff (an hour for a 5,000-prompt shard)."""
+
+    name = "openai"
+    ID_REQUESTS = {"openai": {}, "vllm": {"return_token_ids": True, "skip_special_tokens": False},
+                   "sglang": {"return_prompt_token_ids": True, "return_token_ids": True, "skip_special_tokens": False}}
+    # Dialects whose chat stream carries the exact ids. vLLM 0.32 (vllm/entrypoints/openai/
+    # chat_completion/serving.py): with return_token_ids, top-level prompt_token_ids on the first
+    # chunk, choices[0].token_ids (the new ids) on every later one, finish_reason on the last,
+    # usage in a last choice-less chunk with stream_options.include_usage. SGLang (sgl-project/
+    # sglang python/sglang/srt/entrypoints/openai/serving_chat.py at 002897c2, sse_utils.py at
+    # 06713058): its stream chunks hold role, content, reasoning_content and logprobs only, and
+    # return_prompt_token_ids with stream is refused ("not supported with streaming"), so a
+    # streamed SGLang record could not keep its ids. The openai dialect has no ids at all.
+    STREAM_IDS = {"vllm"}
+
+    def __init__(self, target_dir: str | Path, cfg: dict, repetition: dict | None = None):
+        from transformers import AutoTokenizer, GenerationConfig
+
+        cfg = completed(cfg, "generate")
+        server = cfg["server"]
+        if not server["url"]:
+            raise ValueError("generate.backend 'openai' needs generate.server.url (e.g. http://127.0.0.1:30000/v1), "
+                             "or generate.server.launch and a run through Snakemake, which starts the server")
+        self.url = server["url"].rstrip("/")
+        self.dialect = server["dialect"]
+        self.timeout = server["timeout_s"]
+        self.retries = server["retries"]
+        self.extra_body = server["extra_body"]
+        self.retries_done = 0
+        self.max_failures = server["max_connection_failures"]
+        self.failures_in_a_row = 0
+        self.lock = threading.Lock()
+        self.down = threading.Event()  # set once the server is judged gone; wakes threads in backoff
+        self.down_reason = ""
+        self.model_name = server["model"] or str(target_dir)
+        self.key = key = os.environ.get(server["api_key_env"]) if server["api_key_env"] else None
+        self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        self.token_screen = TokenScreen(self.tokenizer)
+        try:
+            self._generation_config = GenerationConfig.from_pretrained(target_dir)
+        except OSError:
+            self._generation_config = GenerationConfig()
+        self.stop = stop_token_ids(self.tokenizer, self._generation_config)
+        self.engine_version = f"{self.dialect} server at {self.url}"
+        stream = server["stream"]
+        if stream and self.dialect not in self.STREAM_IDS:
+            raise ValueError(f"generate.server.stream is true but the {self.dialect} dialect's chat stream carries no "
+                             f"exact token ids (only {', '.join(sorted(self.STREAM_IDS))}'s does): set it to null "
+                             f"(stream where the ids come with it) or false")
+        self.stream = self.dialect in self.STREAM_IDS if stream is None else stream
+        # The LoopWatch thresholds: the validator's, so that an aborted record is one it rejects.
+        self.loop_thresholds = repetition if self.stream and cfg["loop_abort"] and repetition else None
+
+    def generation_config(self):
+        return self._generation_config
+
+    def redact(self, text: str) -> str:
+        """``text`` (a server's error body, say) with the API key blanked out, for logs and records."""
+        return text.replace(self.key, "[API key]") if self.key else text
+
+    def _answered(self) -> None:
+        with self.lock:
+            self.failures_in_a_row = 0
+
+    def _unreachable(self, error: str) -> None:
+        with self.lock:
+            self.failures_in_a_row += 1
+            if self.failures_in_a_row >= self.max_failures and not self.down.is_set():
+                self.down_reason = (f"{self.url}: {self.failures_in_a_row} connection failures in a row and no "
+                                    f"reply since (last: {error})")
+                self.down.set()
+
+    def _read_json(self, response) -> dict:
+        raw = response.read()
+        self._answered()
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            raise ValueError(f"malformed response from {self.url}: not JSON: {self.redact(repr(raw[:200]))}") from None
+
+    def _post(self, body: dict, read=None):
+        """``read(response)`` of the server's reply to ``body`` (default: its JSON), with retries.
+        A stream cut by a connection error is requested again whole (same seed)."""
+        read = read or self._read_json
+        data = json.dumps(body).encode("utf-8")
+        for attempt in range(self.retries + 1):
+            if self.down.is_set():
+                raise ServerDown(self.down_reason)
+            request = urllib.request.Request(f"{self.url}/chat/completions", data=data, headers=self.headers)
+            try:
+                # Leaving the block closes the connection: how a stream cut for a loop aborts the request.
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    return read(response)
+            except urllib.error.HTTPError as e:
+                self._answered()
+                detail = self.redact(e.read().decode("utf-8", "replace")[:500])
+                if e.code not in (408, 429) and e.code < 500 or attempt == self.retries:
+                    raise RuntimeError(f"HTTP {e.code} from {self.url}: {detail}") from None
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+                error = self.redact(str(getattr(e, "reason", e)))
+                self._unreachable(error)
+                if attempt == self.retries:
+                    raise ConnectionError(f"{self.url}: {error}") from None
+            self.retries_done += 1  # a plain int: a lost update under threads only blurs a statistic
+            if self.down.wait(min(30.0, 2 ** attempt) * (0.5 + random.random())):
+                raise ServerDown(self.down_reason)
+        raise AssertionError("unreachable")
+
+    def request_body(self, prompt: dict, sampling: dict, thinking: bool, seed: int) -> dict:
+        body = {"model": self.model_name, "messages": [self.wire_message(m) for m in prompt["messages"]],
+                "max_tokens": sampling["max_tokens"],
+                "temperature": sampling["temperature"], "top_p": sampling["top_p"], "seed": seed % 2**31,
+                "chat_template_kwargs": {"enable_thinking": thinking}, **self.ID_REQUESTS[self.dialect],
+                **self.extra_body}
+        if self.dialect != "openai":
+            body["top_k"] = sampling["top_k"]
+        if prompt.get("tools"):
+            body["tools"] = prompt["tools"]
+        if self.stream:
+            body.update(stream=True, stream_options={"include_usage": True})
+        return body
+
+    def wire_message(self, message: dict) -> dict:
+        """A message as the OpenAI API takes it: tool-call arguments as a JSON string (vLLM and SGLang
+        parse it back for the template); vLLM reads an earlier turn's reasoning from ``reasoning``."""
+        if message["role"] != "assistant":
+            return message
+        message = dict(message)
+        if message.get("tool_calls"):
+            message["tool_calls"] = [
+                {"id": f"call_{i}", "type": "function", **call,
+                 "function": {**call["function"], "arguments": _json_text(call["function"]["arguments"])}}
+                for i, call in enumerate(message["tool_calls"])]
+        if self.dialect == "vllm" and message.get("reasoning_content") is not None:
+            message["reasoning"] = message.pop("reasoning_content")
+        return message
+
+    def generate(self, prompt: dict, sampling: dict, thinking: bool, seed: int) -> Generation:
+        body = self.request_body(prompt, sampling, thinking, seed)
+        if self.stream:
+            return self._post(body, lambda response: self._read_stream(response, sampling["max_tokens"]))
+        response = self._post(body)
+        try:
+            choice = response["choices"][0]
+            choice["message"]
+        except (KeyError, IndexError, TypeError):
+            raise ValueError(f"malformed response from {self.url}: {self.redact(json.dumps(response)[:300])}") from None
+        prompt_ids = response.get("prompt_token_ids") or choice.get("prompt_token_ids")
+        output_ids = choice.get("token_ids") or choice.get("response_token_ids")
+        usage = response.get("usage") or {}
+        finish = finish_reason(choice.get("finish_reason"), sampling["max_tokens"], self.stop, output_ids,
+                               usage.get("completion_tokens"))
+        if output_ids is not None:
+            text = self.tokenizer.decode(output_body(output_ids, self.stop), skip_special_tokens=False)
+            reconstructed = False
+        else:
+            server = "vllm" if self.dialect == "vllm" else "sglang"  # a plain OpenAI server strips nothing
+            text, _ = served_output(prompt, choice["message"], thinking, finish, server, "xml", self.tokenizer)
+            reconstructed = True
+        return Generation(text, finish, prompt_ids, output_ids, usage.get("prompt_tokens", len(prompt_ids or [])),
+                          usage.get("completion_tokens", len(output_ids or [])), reconstructed)
+
+    def _read_stream(self, response, max_tokens: int) -> Generation:
+        """The generation an SSE stream carries: the same one the non-streamed reply would give
+        (ids, text decoded from them, finish reason, usage), or, when the LoopWatch finds a loop
+        before the stream ends, a ``loop_abort`` with the ids received so far."""
+        watch = so_far = None
+        if self.loop_thresholds:
+            watch, so_far = LoopWatch(**self.loop_thresholds), IncrementalText(self.tokenizer)
+        prompt_ids, output_ids, reported, usage, answered = None, [], None, {}, False
+        for line in response:
+            if not line.startswith(b"data:"):
+                continue  # blank separators, SSE comments
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            if not answered:
+                self._answered()
+                answered = True
+            try:
+                chunk = json.loads(data)
+            except json.JSONDecodeError:
+                raise ValueError(f"malformed stream from {self.url}: not JSON: "
+                                 f"{self.redact(repr(data[:200]))}") from None
+            if "error" in chunk:  # vLLM reports a failure after the 200 as a data line
+                raise RuntimeError(f"error in the stream from {self.url}: {self.redact(json.dumps(chunk)[:500])}")
+            prompt_ids = chunk.get("prompt_token_ids") or prompt_ids
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or ():
+                ids = choice.get("token_ids") or []
+                output_ids.extend(ids)
+                reported = choice.get("finish_reason") or reported
+                # A loop seen in the last chunk changes nothing: the generation is over anyway.
+                loop = watch.feed(so_far.add(ids)) if watch and ids and not reported else None
+                if loop:
+                    received = self.tokenizer.decode(output_ids, skip_special_tokens=False)
+                    return Generation(received, "loop_abort", prompt_ids, output_ids, len(prompt_ids or []),
+                                      len(output_ids), loop={"pattern": loop, "first_position": watch.first_position})
+        if not output_ids and usage.get("completion_tokens"):
+            raise ValueError(f"the stream from {self.url} carried no token ids: does the server take "
+                             f"return_token_ids (dialect {self.dialect})?")
+        finish = finish_reason(reported, max_tokens, self.stop, output_ids, usage.get("completion_tokens"))
+        text = self.tokenizer.decode(output_body(output_ids, self.stop), skip_special_tokens=False)
+        return Generation(text, finish, prompt_ids, output_ids, usage.get("prompt_tokens", len(prompt_ids or [])),
+                          usage.get("completion_tokens", len(output_ids)))
+
+
+def _json_text(arguments) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+BACKENDS = {"transformers": TransformersBackend, "openai": OpenAIBackend}
+
