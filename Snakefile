@@ -10,6 +10,7 @@ from pathlib import Path
 from snakemake.utils import min_version, validate
 
 from dflash.config import ConfigError, check_config, demo_sized_problem, read_yaml, schema_path
+from dflash.dialects import DIALECTS
 from dflash.errors import debug_requested
 from dflash.pilot import toggle_problem
 from dflash.storage import check_s3_prefix

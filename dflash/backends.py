@@ -17,6 +17,7 @@ import torch
 
 from dflash.chat import TokenScreen, finish_reason, output_body, render, served_output, stop_token_ids
 from dflash.config import completed
+from dflash.dialects import DIALECTS
 from dflash.loops import LoopWatch
 
 
@@ -164,17 +165,6 @@ class OpenAIBackend:
     of retrying each remaining prompt with backoff (an hour for a 5,000-prompt shard)."""
 
     name = "openai"
-    ID_REQUESTS = {"openai": {}, "vllm": {"return_token_ids": True, "skip_special_tokens": False},
-                   "sglang": {"return_prompt_token_ids": True, "return_token_ids": True, "skip_special_tokens": False}}
-    # Dialects whose chat stream carries the exact ids. vLLM 0.32 (vllm/entrypoints/openai/
-    # chat_completion/serving.py): with return_token_ids, top-level prompt_token_ids on the first
-    # chunk, choices[0].token_ids (the new ids) on every later one, finish_reason on the last,
-    # usage in a last choice-less chunk with stream_options.include_usage. SGLang (sgl-project/
-    # sglang python/sglang/srt/entrypoints/openai/serving_chat.py at 002897c2, sse_utils.py at
-    # 06713058): its stream chunks hold role, content, reasoning_content and logprobs only, and
-    # return_prompt_token_ids with stream is refused ("not supported with streaming"), so a
-    # streamed SGLang record could not keep its ids. The openai dialect has no ids at all.
-    STREAM_IDS = {"vllm"}
 
     def __init__(self, target_dir: str | Path, cfg: dict, repetition: dict | None = None):
         from transformers import AutoTokenizer, GenerationConfig
@@ -185,7 +175,7 @@ class OpenAIBackend:
             raise ValueError("generate.backend 'openai' needs generate.server.url (e.g. http://127.0.0.1:30000/v1), "
                              "or generate.server.launch and a run through Snakemake, which starts the server")
         self.url = server["url"].rstrip("/")
-        self.dialect = server["dialect"]
+        self.dialect = DIALECTS[server["dialect"]]
         self.timeout = server["timeout_s"]
         self.retries = server["retries"]
         self.extra_body = server["extra_body"]
@@ -205,13 +195,14 @@ class OpenAIBackend:
         except OSError:
             self._generation_config = GenerationConfig()
         self.stop = stop_token_ids(self.tokenizer, self._generation_config)
-        self.engine_version = f"{self.dialect} server at {self.url}"
+        self.engine_version = f"{self.dialect.name} server at {self.url}"
         stream = server["stream"]
-        if stream and self.dialect not in self.STREAM_IDS:
-            raise ValueError(f"generate.server.stream is true but the {self.dialect} dialect's chat stream carries no "
-                             f"exact token ids (only {', '.join(sorted(self.STREAM_IDS))}'s does): set it to null "
+        if stream and not self.dialect.stream_ids:
+            streaming = sorted(name for name, d in DIALECTS.items() if d.stream_ids)
+            raise ValueError(f"generate.server.stream is true but the {self.dialect.name} dialect's chat stream carries "
+                             f"no exact token ids (only {', '.join(streaming)}'s does): set it to null "
                              f"(stream where the ids come with it) or false")
-        self.stream = self.dialect in self.STREAM_IDS if stream is None else stream
+        self.stream = self.dialect.stream_ids if stream is None else stream
         # The LoopWatch thresholds: the validator's, so that an aborted record is one it rejects.
         self.loop_thresholds = repetition if self.stream and cfg["loop_abort"] and repetition else None
 
@@ -274,9 +265,9 @@ class OpenAIBackend:
         body = {"model": self.model_name, "messages": [self.wire_message(m) for m in prompt["messages"]],
                 "max_tokens": sampling["max_tokens"],
                 "temperature": sampling["temperature"], "top_p": sampling["top_p"], "seed": seed % 2**31,
-                "chat_template_kwargs": {"enable_thinking": thinking}, **self.ID_REQUESTS[self.dialect],
+                "chat_template_kwargs": {"enable_thinking": thinking}, **self.dialect.id_request,
                 **self.extra_body}
-        if self.dialect != "openai":
+        if self.dialect.top_k:
             body["top_k"] = sampling["top_k"]
         if prompt.get("tools"):
             body["tools"] = prompt["tools"]
@@ -286,7 +277,7 @@ class OpenAIBackend:
 
     def wire_message(self, message: dict) -> dict:
         """A message as the OpenAI API takes it: tool-call arguments as a JSON string (vLLM and SGLang
-        parse it back for the template); vLLM reads an earlier turn's reasoning from ``reasoning``."""
+        parse it back for the template); the reasoning where the dialect reads it."""
         if message["role"] != "assistant":
             return message
         message = dict(message)
@@ -295,8 +286,9 @@ class OpenAIBackend:
                 {"id": f"call_{i}", "type": "function", **call,
                  "function": {**call["function"], "arguments": _json_text(call["function"]["arguments"])}}
                 for i, call in enumerate(message["tool_calls"])]
-        if self.dialect == "vllm" and message.get("reasoning_content") is not None:
-            message["reasoning"] = message.pop("reasoning_content")
+        field = self.dialect.reasoning_field
+        if field != "reasoning_content" and message.get("reasoning_content") is not None:
+            message[field] = message.pop("reasoning_content")
         return message
 
     def generate(self, prompt: dict, sampling: dict, thinking: bool, seed: int) -> Generation:
@@ -318,8 +310,8 @@ class OpenAIBackend:
             text = self.tokenizer.decode(output_body(output_ids, self.stop), skip_special_tokens=False)
             reconstructed = False
         else:
-            server = "vllm" if self.dialect == "vllm" else "sglang"  # a plain OpenAI server strips nothing
-            text, _ = served_output(prompt, choice["message"], thinking, finish, server, "xml", self.tokenizer)
+            text, _ = served_output(prompt, choice["message"], thinking, finish, self.dialect.name, "xml",
+                                    self.tokenizer)
             reconstructed = True
         return Generation(text, finish, prompt_ids, output_ids, usage.get("prompt_tokens", len(prompt_ids or [])),
                           usage.get("completion_tokens", len(output_ids or [])), reconstructed)
@@ -362,7 +354,7 @@ class OpenAIBackend:
                                       len(output_ids), loop={"pattern": loop, "first_position": watch.first_position})
         if not output_ids and usage.get("completion_tokens"):
             raise ValueError(f"the stream from {self.url} carried no token ids: does the server take "
-                             f"return_token_ids (dialect {self.dialect})?")
+                             f"return_token_ids (dialect {self.dialect.name})?")
         finish = finish_reason(reported, max_tokens, self.stop, output_ids, usage.get("completion_tokens"))
         text = self.tokenizer.decode(output_body(output_ids, self.stop), skip_special_tokens=False)
         return Generation(text, finish, prompt_ids, output_ids, usage.get("prompt_tokens", len(prompt_ids or [])),

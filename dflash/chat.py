@@ -25,10 +25,10 @@ import re
 from collections import Counter
 from typing import Iterator
 
+from dflash.dialects import DIALECTS
+
 THINK_CLOSE = "</think>"
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
-# Which (server, tool format) pairs strip the text before the first tool call.
-STRIPS_TEXT_BEFORE_CALLS = {("vllm", "xml"), ("sglang", "hermes")}
 
 
 def call_arguments(fn: dict) -> dict:
@@ -271,7 +271,7 @@ def rebuild_text(message: dict, thinking: bool, finish_reason: str = "stop", ser
     content = message.get("content") or ""
     calls = [render_call(c, tool_format) for c in message.get("tool_calls") or []]
     body, verbatim = content + "\n".join(calls), True
-    if calls and ((server, tool_format) in STRIPS_TEXT_BEFORE_CALLS or not content):
+    if calls and (tool_format in DIALECTS[server].strips_text_before_calls or not content):
         # Qwen3.6 writes "\n\n" after </think>; the template joins text and first call with
         # "\n\n" (XML) or "\n" (Hermes).
         lead = "\n\n" if thinking else ""

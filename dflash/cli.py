@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from dflash.config import ConfigError, load_config
+from dflash.dialects import LOGGING_SERVERS
 from dflash.errors import debug_requested, describe
 from dflash.workflow import demo_target_sources, drafter_train_cfg, layer_selection, set_threads, setup_logging
 
@@ -338,7 +339,7 @@ def parser() -> argparse.ArgumentParser:
     adopt.add_argument("logs", nargs="+", help="JSONL or JSONL.zst files of logged exchanges")
     adopt.add_argument("--target", type=Path, required=True, help="target model folder (its tokenizer)")
     adopt.add_argument("--out", type=Path, required=True, help="completion shard to write (.jsonl.zst)")
-    adopt.add_argument("--server", choices=["auto", "sglang", "vllm"], default="auto")
+    adopt.add_argument("--server", choices=["auto", *LOGGING_SERVERS], default="auto")
     adopt.add_argument("--tool-format", choices=["xml", "hermes"], default="xml")
     adopt.add_argument("--category", choices=["chat", "code", "reasoning", "tool", "other"],
                        help="category of lines that carry none (default: other)")

@@ -36,6 +36,7 @@ import numpy as np
 import zstandard
 
 from dflash.chat import TokenScreen, rebuild_text, render, template_message, texts_of
+from dflash.dialects import detect_server
 from dflash.io import atomic_dir, dumps_line, iter_jsonl, jsonl_zst_writer, local_copy, shard_name, write_json
 from dflash.records import record_problem
 from dflash.workflow import notice
@@ -164,15 +165,6 @@ def shape_problem(rec: dict) -> tuple[str, str] | None:
 
 
 # Logged chat-completion exchanges (format chat_completions): generations to adopt.
-
-
-def detect_server(choice: dict, message: dict) -> str | None:
-    """The server behind a response, from fields only one of them sends."""
-    if "matched_stop" in choice or "reasoning_content" in message:
-        return "sglang"
-    if "stop_reason" in choice or "reasoning" in message:
-        return "vllm"
-    return None
 
 
 def failed_exchange(raw: dict) -> str | None:

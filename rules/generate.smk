@@ -25,7 +25,9 @@ rule serve:
         launcher=f"{LOGS}/serve/{{server}}.log",
         server=f"{LOGS}/serve/{{server}}.server.log",
     conda:
-        "../envs/sglang.yaml"
+        # the launched server's: envs/sglang.yaml, envs/vllm.yaml, or for a plain OpenAI-compatible
+        # server the pipeline's own (transformers serve needs its serving extra there)
+        f"../envs/{DIALECTS[config['generate']['server']['dialect']].env}"
     # generate.server.launch comes as $DFLASH_LAUNCH (the Snakefile sets it): on the command line its
     # env (HF_TOKEN) would show in ps to every user of the node, in printshellcmds and in .snakemake/metadata.
     shell:

@@ -43,6 +43,21 @@ def test_the_schema_is_the_one_source_of_defaults():
     assert part["server"]["retries"] == defaults("generate")["server"]["retries"] and part["loop_abort"] is True
 
 
+def test_a_server_dialect_is_one_entry_in_dialects_and_its_schema_enums():
+    """dflash.dialects holds each server dialect; the schema's enums name exactly those, and each
+    names a conda environment that exists."""
+    from dflash.dialects import DIALECTS, LOGGING_SERVERS, detect_server
+
+    schema = yaml.safe_load((ROOT / "dflash" / "schemas" / "config.schema.yaml").read_text())["properties"]
+    assert sorted(schema["generate"]["properties"]["server"]["properties"]["dialect"]["enum"]) == sorted(DIALECTS)
+    source = schema["prompts"]["properties"]["sources"]["items"]["properties"]["server"]
+    assert source["enum"] == ["auto", *LOGGING_SERVERS] == ["auto", "sglang", "vllm"]
+    assert all((ROOT / "envs" / d.env).is_file() for d in DIALECTS.values())
+    assert detect_server({"matched_stop": 151645}, {}) == "sglang" and detect_server({}, {"reasoning": "r"}) == "vllm"
+    assert detect_server({}, {"reasoning_content": "r", "reasoning": "r"}) == "sglang"  # as before: SGLang first
+    assert detect_server({}, {"content": "x"}) is None
+
+
 def test_misspelled_key_names_key_file_and_suggestion(tmp_path):
     raw = yaml.safe_load((ROOT / "config.yaml").read_text())
     raw["generate"]["samplng"] = raw["generate"].pop("sampling")
