@@ -2,31 +2,21 @@
 # Each stage is a rule over files (rules/*.smk), so Snakemake re-runs only what is stale.
 import json
 import os
-import shutil
 import sys
 import time
-from pathlib import Path
 
 from snakemake.utils import min_version, validate
 
 from dflash.config import ConfigError, check_config, demo_sized_problem, read_yaml, schema_path
 from dflash.dialects import DIALECTS
-from dflash.errors import debug_requested
 from dflash.pilot import toggle_problem
-from dflash.storage import check_s3_prefix
 from dflash.workflow import (HIDDEN_FORMAT, demo_target_sources, layer_selection, prompt_check_settings,
                              record_settings, shard_ids, target_dir)
 
 min_version("9.0")
 
 
-def stop(problem):
-    """A configuration problem on the console as its own lines, which name the file and the key,
-    without Snakemake's traceback frames (DFLASH_DEBUG=1 shows them)."""
-    if debug_requested():
-        raise ConfigError(problem)
-    print(problem, file=sys.stderr, flush=True)
-    sys.exit(1)
+include: "rules/common.smk"
 
 
 # The demo's config.yaml is read only when no --configfile is given: a real run's file is its whole
@@ -64,61 +54,13 @@ OUT = config["output_dir"]
 RUN = config["run"]
 TARGET = target_dir(config)
 STORED = bool(workflow.storage_settings.default_storage_provider)  # outputs in S3 (--default-storage-provider)
-
-
-def external(path):
-    """A file from outside the pipeline (a prompt source, a model folder): read where it is, never
-    looked up in the default storage that holds the outputs. With outputs in a storage its time
-    says nothing (a new machine's copy is newer than the outputs made from it): ancient, so a
-    changed source is re-run with --forcerun prompts."""
-    return ancient(local(path)) if STORED else local(path)
-
-
-def replaced_folder(path):
-    """A folder output its job replaces as a whole, only once the new one is complete
-    (dflash.io.atomic_dir): Snakemake must not delete the old one before the job runs, or a job
-    that fails (a bad new source, a crash) would cost the finished prompts, target or drafter it
-    had (Snakemake restores the old one when the job fails). Not with a default storage: there
-    Snakemake's backup would need a local copy a fresh node does not have."""
-    return directory(path) if STORED else update(directory(path))
-
-
 TARGET_INPUT = external(TARGET) if config["target"]["path"] else TARGET
 S3 = STORED and workflow.storage_settings.default_storage_provider == "s3"
 STORAGE_PREFIX = workflow.storage_settings.default_storage_prefix if STORED else None
-
-
-def check_storage(write):
-    """One line before any job, instead of a traceback from the first existence check, or an
-    upload that fails after a paid-for job."""
-    problem = check_s3_prefix(STORAGE_PREFIX, workflow.storage_registry.default_storage_provider.s3c, write)
-    if problem:
-        stop(problem)
-
-
 if S3:
     check_storage(write=False)  # a dry run only lists: read-only keys may plan
 
 STARTED = time.time()
-
-
-def settle_backups():
-    """Snakemake backs up a replaced_folder output before its job (update()) and drops the backup
-    when the job ends; a run killed in between leaves it, and Snakemake 9.27 then fails the next
-    job of that output copying onto it. The job replaces the folder only once complete, so the
-    backup is stale: dropped while the folder is there, put back in the rare case the kill came
-    between the job's two renames and the folder is gone."""
-    backup_of = workflow.persistence._get_backup_path  # Snakemake's own mapping: output -> backup
-    checkpoints = Path(f"{OUT}/checkpoints")
-    runs = [checkpoints / b.name for b in backup_of(checkpoints).iterdir()] if backup_of(checkpoints).is_dir() else []
-    for folder in [Path(f"{OUT}/prompts"), Path(f"{OUT}/target"), *runs]:
-        backup = backup_of(folder)
-        if backup.is_dir():
-            if folder.exists():
-                shutil.rmtree(backup)
-            else:
-                logger.warning(f"{folder}: put back from Snakemake's backup (a run was killed while replacing it)")
-                shutil.move(backup, folder)
 
 
 onstart:
@@ -143,7 +85,8 @@ if not STORED and (problem := toggle_problem(OUT, PILOT)):  # every shard would 
     stop(problem)
 PLANNED = PILOT or bool(config["plan"]["mean_output_tokens"])  # something to forecast output tokens from
 LAUNCH = config["generate"]["server"]["launch"]  # null: no serve jobs, the server is the user's
-os.environ["DFLASH_LAUNCH"] = json.dumps(LAUNCH)  # the serve rule's launcher reads it: never on a command line (ps)
+# the serve rule's launcher reads it: never on a command line (ps). Set, not read: no envvars directive
+os.environ.update(DFLASH_LAUNCH=json.dumps(LAUNCH))
 # Snakemake would quietly cut a job's claim to the machine's GPUs (--resources gpu=N, counted by
 # profiles/local) and run it on fewer than it starts processes for.
 GPUS = workflow.global_resources.get("gpu").value
@@ -177,7 +120,6 @@ wildcard_constraints:
     run=r"[A-Za-z0-9_-][A-Za-z0-9._-]*",
 
 
-include: "rules/common.smk"
 include: "rules/prompts.smk"
 include: "rules/target.smk"
 include: "rules/generate.smk"

@@ -1,9 +1,68 @@
-# Input helpers shared by the rules: which prompt shards exist is known once the prompts checkpoint ran.
+# The functions of the workflow: the config checks' way out, where inputs and outputs live, the
+# prompts checkpoint's shards (known once it ran). Included first: the Snakefile's checks use them.
 import functools
 import os
+import shutil
+import sys
+from pathlib import Path
 
-from dflash.storage import fetch_from_storage
+from dflash.config import ConfigError
+from dflash.errors import debug_requested
+from dflash.storage import check_s3_prefix, fetch_from_storage
 from dflash.validate import exclusions_by_shard, read_exclusions
+
+
+def stop(problem):
+    """A configuration problem on the console as its own lines, which name the file and the key,
+    without Snakemake's traceback frames (DFLASH_DEBUG=1 shows them)."""
+    if debug_requested():
+        raise ConfigError(problem)
+    print(problem, file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def external(path):
+    """A file from outside the pipeline (a prompt source, a model folder): read where it is, never
+    looked up in the default storage that holds the outputs. With outputs in a storage its time
+    says nothing (a new machine's copy is newer than the outputs made from it): ancient, so a
+    changed source is re-run with --forcerun prompts."""
+    return ancient(local(path)) if STORED else local(path)
+
+
+def replaced_folder(path):
+    """A folder output its job replaces as a whole, only once the new one is complete
+    (dflash.io.atomic_dir): Snakemake must not delete the old one before the job runs, or a job
+    that fails (a bad new source, a crash) would cost the finished prompts, target or drafter it
+    had (Snakemake restores the old one when the job fails). Not with a default storage: there
+    Snakemake's backup would need a local copy a fresh node does not have."""
+    return directory(path) if STORED else update(directory(path))
+
+
+def check_storage(write):
+    """One line before any job, instead of a traceback from the first existence check, or an
+    upload that fails after a paid-for job."""
+    problem = check_s3_prefix(STORAGE_PREFIX, workflow.storage_registry.default_storage_provider.s3c, write)
+    if problem:
+        stop(problem)
+
+
+def settle_backups():
+    """Snakemake backs up a replaced_folder output before its job (update()) and drops the backup
+    when the job ends; a run killed in between leaves it, and Snakemake 9.27 then fails the next
+    job of that output copying onto it. The job replaces the folder only once complete, so the
+    backup is stale: dropped while the folder is there, put back in the rare case the kill came
+    between the job's two renames and the folder is gone."""
+    backup_of = workflow.persistence._get_backup_path  # Snakemake's own mapping: output -> backup
+    checkpoints = Path(f"{OUT}/checkpoints")
+    runs = [checkpoints / b.name for b in backup_of(checkpoints).iterdir()] if backup_of(checkpoints).is_dir() else []
+    for folder in [Path(f"{OUT}/prompts"), Path(f"{OUT}/target"), *runs]:
+        backup = backup_of(folder)
+        if backup.is_dir():
+            if folder.exists():
+                shutil.rmtree(backup)
+            else:
+                logger.warning(f"{folder}: put back from Snakemake's backup (a run was killed while replacing it)")
+                shutil.move(backup, folder)
 
 
 def prompt_file(name):
