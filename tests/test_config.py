@@ -96,3 +96,11 @@ def test_snakemake_refuses_a_misspelled_key_before_any_job(tmp_path):
     assert "unknown key 'shard_sise'" in out and "did you mean 'shard_size'" in out
     assert str(path) in out
     assert not (tmp_path / "results").exists()
+
+
+def test_the_workflow_passes_snakemakes_lint(tmp_path):
+    """`snakemake --lint`: the Snakefile holds includes, config checks and targets; functions live
+    in rules/common.smk; every rule has a log and an environment."""
+    run = subprocess.run([sys.executable, "-m", "snakemake", "--lint", "-s", str(ROOT / "Snakefile"), "-d", str(tmp_path),
+                          "--configfile", str(ROOT / "config.yaml")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "Congratulations" in run.stdout + run.stderr, (run.stdout + run.stderr)[-3000:]
