@@ -90,6 +90,55 @@ def generate_job(config: dict, prompts_path: Path, out_path: Path, target_dir: P
                           repetition=config["validate"]["repetition"])
 
 
+def adopted_records(prompts: list[dict], target_dir: Path):
+    """The records of prompts whose generations a logged server exchange already holds: only the
+    target's tokenizer is needed, no model or server."""
+    if not prompts:
+        return
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    stop = stop_token_ids(tokenizer)
+    for prompt in prompts:
+        try:
+            yield adopted_record(prompt, tokenizer, stop)
+        except Exception as e:  # the template refusing the request, say: name the logged line
+            raise ValueError(f"adopted record {prompt['id']} (source {prompt['source']}, line "
+                             f"{prompt['meta']['index'] + 1}): {describe(e)}") from None
+
+
+def record_counts(records: list[dict]) -> dict:
+    """A shard summary's counts of how its records ended."""
+    aborted = [r for r in records if r["finish_reason"] == "loop_abort"]
+    return {
+        "finish_reasons": {r: sum(x["finish_reason"] == r for x in records)
+                           for r in ("stop", "length", "abort", "loop_abort", "error")},
+        # Streams cut for a loop: the tokens they had produced, and those their max_tokens would have added.
+        "loop_aborts": {"records": len(aborted),
+                        "tokens_received": sum(r["usage"]["completion_tokens"] for r in aborted),
+                        "tokens_saved": sum(r["generation"]["max_tokens_saved"] for r in aborted)},
+        "replay_stops": dict(Counter(r["replay"]["stop"] for r in records if r.get("replay", {}).get("stop"))),
+    }
+
+
+def rate(tokens: int, t0: float) -> dict:
+    seconds = time.time() - t0
+    return {"output_tokens": tokens, "seconds": round(seconds, 2),
+            "started_at": round(t0, 1),  # epoch seconds: when the shard's generation ran, for what it cost
+            "output_tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}
+
+
+def write_shard(out_path: Path, records: list[dict], summary_path: Path | None, summary: dict) -> None:
+    """The finished shard, and its summary only beside it: a failed job's summary would read like one."""
+    with atomic_files(out_path, *([summary_path] if summary_path is not None else [])) as temps:
+        with zst_lines(temps[0], shown=out_path) as write:
+            for rec in records:
+                write(dumps_line(rec))
+        if summary_path is not None:
+            with naming_full_disk(summary_path):
+                temps[1].write_text(json_text(summary), encoding="utf-8")
+
+
 def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out_path: Path, partial: Path,
                     target_dir: Path, cfg: dict, summary_path: Path | None, mirror: PartialMirror,
                     from_pilot: set[str], annotate, repetition: dict | None) -> dict:
@@ -127,18 +176,8 @@ def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out
             bar.update()
             bar.set_postfix(tok_s=f"{tokens / max(time.time() - t0, 1e-9):.0f}", errors=len(errors), refresh=False)
 
-        if adopted:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(target_dir)
-            stop = stop_token_ids(tokenizer)
-            for prompt in adopted:
-                try:
-                    rec = adopted_record(prompt, tokenizer, stop)
-                except Exception as e:  # the template refusing the request, say: name the logged line
-                    raise ValueError(f"adopted record {prompt['id']} (source {prompt['source']}, line "
-                                     f"{prompt['meta']['index'] + 1}): {describe(e)}") from None
-                finish([rec])
+        for rec in adopted_records(adopted, target_dir):
+            finish([rec])
         try:
             if pending:
                 generate_pending(pending, backend, cfg, sampling, thinking, finish)
@@ -148,31 +187,11 @@ def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out
             raise ServerDown(f"{e}: is the server down? The {len(done)} finished prompts of {name} are kept in "
                              f"{partial}: start the server and re-run to resume") from None
     bar.close()
-    seconds = time.time() - t0
     records = [r for i in ids for r in (done.get(i) or errors[i])]
-    aborted = [r for r in records if r["finish_reason"] == "loop_abort"]
-    summary = {
-        "shard": name,
-        "prompts": len(prompts),
-        "records": len(records),
-        "resumed": resumed,
-        "from_pilot": len(from_pilot),
-        "requests": requests - len(adopted),
-        "adopted": len(adopted),
-        "retries": getattr(backend, "retries_done", 0),
-        "errors": len(errors),
-        "finish_reasons": {r: sum(x["finish_reason"] == r for x in records)
-                           for r in ("stop", "length", "abort", "loop_abort", "error")},
-        # Streams cut for a loop: the tokens they had produced, and those their max_tokens would have added.
-        "loop_aborts": {"records": len(aborted),
-                        "tokens_received": sum(r["usage"]["completion_tokens"] for r in aborted),
-                        "tokens_saved": sum(r["generation"]["max_tokens_saved"] for r in aborted)},
-        "replay_stops": dict(Counter(r["replay"]["stop"] for r in records if r.get("replay", {}).get("stop"))),
-        "output_tokens": tokens,
-        "seconds": round(seconds, 2),
-        "started_at": round(t0, 1),  # epoch seconds: when the shard's generation ran, for what it cost
-        "output_tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
-    }
+    summary = {"shard": name, "prompts": len(prompts), "records": len(records), "resumed": resumed,
+               "from_pilot": len(from_pilot), "requests": requests - len(adopted), "adopted": len(adopted),
+               "retries": getattr(backend, "retries_done", 0), "errors": len(errors),
+               **record_counts(records), **rate(tokens, t0)}
     if annotate:
         summary.update(annotate(summary))
     log.info("generate %s: %s", name, summary)
@@ -181,14 +200,7 @@ def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out
         example = next(r["error"] for recs in errors.values() for r in recs if r["error"])
         raise RuntimeError(f"{name}: {len(errors)} of {len(prompts)} prompts failed (e.g. {example}); "
                            f"the {len(done)} finished ones are kept in {partial}: re-run to resume")
-    # Only beside a finished shard, and only with it: a failed job's summary would read like one.
-    with atomic_files(out_path, *([summary_path] if summary_path is not None else [])) as temps:
-        with zst_lines(temps[0], shown=out_path) as write:
-            for rec in records:
-                write(dumps_line(rec))
-        if summary_path is not None:
-            with naming_full_disk(summary_path):
-                temps[1].write_text(json_text(summary), encoding="utf-8")
+    write_shard(out_path, records, summary_path, summary)
     partial.unlink()
     # Until Snakemake has uploaded the shard, a lost node costs this shard's generation, never a
     # duplicate: a stale resume file would resume a later re-run with other settings.
