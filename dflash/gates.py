@@ -1,5 +1,5 @@
 """Quality gates: thresholds over every shard's QA and token statistics, checked before any
-GPU-heavy job (DESIGN.md: 87% of a training set was ``OK.`` and nobody noticed until hidden states
+GPU-heavy job (docs/design.md: 87% of a training set was ``OK.`` and nobody noticed until hidden states
 had been extracted). The gate rule writes the QA summary only when every gate passes; hidden-state
 and training jobs need that file, so a failed gate stops them all with the gate's name, its
 threshold and the measured value.

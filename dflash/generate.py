@@ -1,4 +1,4 @@
-"""Generate stage: prompt shard -> completion records (DESIGN.md "completion record").
+"""Generate stage: prompt shard -> completion records (docs/design.md "completion record").
 
 The shard driver: a job's server and budget, the resume file, the records of every prompt. Where a
 completion comes from is ``dflash.backends``; a prompt's conversation (one request, or a replayed

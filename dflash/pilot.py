@@ -1,5 +1,5 @@
 """Pilot: a small stratified sample of every source and category, generated, validated and
-tokenized with the run's real settings before the full generation (DESIGN.md: the story's risky
+tokenized with the run's real settings before the full generation (docs/design.md: the story's risky
 tool prompts came last, and 87% trivial answers were found only after the data set was built).
 What it measures (output lengths per category, reject reasons, throughput, the gates' verdicts)
 is what ``dflash plan`` forecasts from; the full run's generate jobs reuse its records.

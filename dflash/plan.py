@@ -1,6 +1,6 @@
 """Plan before renting: output tokens, generation hours and cost per node kind and count, data
 sizes and jobs per rule, from the prompt counts and what the pilot measured (or figures the user
-gives). DESIGN.md: the story's run was sized by hand (17.45 h and ~$471 on 7x B200; ~16.5 days
+gives). docs/design.md: the story's run was sized by hand (17.45 h and ~$471 on 7x B200; ~16.5 days
 estimated on a 4x RTX PRO 6000 node); none of the reference tools forecasts anything.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Prompts stage: source files -> canonical prompt records in stratified shards.
 
-A prompt record is ``{id, source, category, messages, tools, meta}`` (DESIGN.md). ``messages``
+A prompt record is ``{id, source, category, messages, tools, meta}`` (docs/design.md). ``messages``
 is the conversation up to the generation: a trailing assistant turn in the source (a reference
 answer) is dropped. A conversation with tool results is cut before its first tool call, and its
 calls and cached results become ``meta.replay`` for the generate stage to feed back. Records

@@ -200,7 +200,7 @@ def metric(url: str, name: str, **labels) -> float:
 
 def test_looping_stream_is_cut_and_the_server_aborts_it(vllm, qwen3_target, demo_sources, tmp_path):
     """A structured-output regex makes the model write ``<tool_call>\\n</think>\\n`` over and over
-    (the loop of the run in DESIGN.md) and ``min_tokens`` keeps it from stopping before max_tokens
+    (the loop of the run in docs/design.md) and ``min_tokens`` keeps it from stopping before max_tokens
     (3,000: ~5 s of this server's time). The loop watch, with the validator's thresholds, finds the
     loop in the stream; the client closes it; vLLM aborts the request: it never finishes, and the
     tokens the server generated are about those received, far below max_tokens. The record keeps

@@ -86,7 +86,7 @@ def test_fp8_cache_keeps_per_token_scales(tmp_path, target, target_dir):
 
 
 def test_cache_size_of_the_real_run(tmp_path, capsys):
-    """The planning figure of DESIGN.md: 1.64e9 tokens x 5 layers x 5120 x 2 B for Qwen3.6-27B, and
+    """The planning figure of docs/design.md: 1.64e9 tokens x 5 layers x 5120 x 2 B for Qwen3.6-27B, and
     4 B per token for the target's greedy token."""
     from dflash.cli import main
 

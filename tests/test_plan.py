@@ -14,7 +14,7 @@ STORY_TOKENS, STORY_PROMPTS = 1.64e9, 913_786
 
 
 def test_the_story_run_from_its_own_figures():
-    """DESIGN.md: 1.64e9 output tokens at 25,000 tok/s on a 7x B200 node at $27 a node-hour took
+    """docs/design.md: 1.64e9 output tokens at 25,000 tok/s on a 7x B200 node at $27 a node-hour took
     17.45 h and ~$471; on a 4x RTX PRO 6000 node it was estimated at ~16.5 days."""
     cfg = load_config(ROOT / "config/qwen3.6-27b.yaml")
     cfg["plan"]["profiles"] = {
