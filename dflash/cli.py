@@ -265,7 +265,15 @@ def parser() -> argparse.ArgumentParser:
                     "one line naming the file, line or id; --debug (or DFLASH_DEBUG=1) shows its traceback.",
     )
     sub = p.add_subparsers(dest="stage", required=True, metavar="STAGE")
+    add_stages(sub, common)
+    add_inspect(sub, common)
+    add_adopt(sub, common)
+    add_check(sub, common)
+    return p
 
+
+def add_stages(sub, common: argparse.ArgumentParser) -> None:
+    """The subcommands that run one stage as its rule does, and the planning and serving helpers."""
     def stage(name, fn, help, *args):
         s = sub.add_parser(name, help=help, description=help, parents=[common])
         s.add_argument("--config", default="config.yaml", type=Path, help="pipeline config (default: config.yaml)")
@@ -318,6 +326,9 @@ def parser() -> argparse.ArgumentParser:
           ("--prefix", {"help": "the run's --default-storage-prefix, e.g. s3://bucket/run (none: a run "
                                 "without storage, whose every output here is at risk)"}),
           ("--workdir", {"type": Path, "default": Path("."), "help": "where snakemake runs (default: here)"}))
+
+
+def add_inspect(sub, common: argparse.ArgumentParser) -> None:
     inspect = sub.add_parser(
         "inspect", parents=[common], help="print records of any stage's shard (local or s3://), filtered",
         description="Print the records of prompt, completion, validated, rejected, tokenized or hidden-state "
@@ -331,6 +342,9 @@ def parser() -> argparse.ArgumentParser:
     inspect.add_argument("--full", action="store_true", help="do not shorten long texts")
     inspect.add_argument("--target", type=Path, help="target model folder: decode tokenized rows")
     inspect.set_defaults(run=_inspect)
+
+
+def add_adopt(sub, common: argparse.ArgumentParser) -> None:
     adopt = sub.add_parser(
         "adopt", parents=[common], help="logged SGLang/vLLM chat completions -> a completion shard (no generation)",
         description="Turn logged chat-completion exchanges ({request, response} lines, or OpenAI batch lines; "
@@ -345,6 +359,9 @@ def parser() -> argparse.ArgumentParser:
                        help="category of lines that carry none (default: other)")
     adopt.add_argument("--no-thinking", action="store_true", help="requests without enable_thinking had it off")
     adopt.set_defaults(run=_adopt)
+
+
+def add_check(sub, common: argparse.ArgumentParser) -> None:
     check = sub.add_parser("check", parents=[common], help="answers about a run's outputs, verdict first",
                            description="Answers about a run's outputs (local or s3://), verdict first.")
     checks = check.add_subparsers(dest="what", required=True, metavar="WHAT")
@@ -362,7 +379,6 @@ def parser() -> argparse.ArgumentParser:
     tools.add_argument("--examples", type=count(0), default=3, help="examples per class (default 3; 0: none)")
     tools.add_argument("--json", action="store_true", help="everything as one JSON object")
     tools.set_defaults(run=_check_tools)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
