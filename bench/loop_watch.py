@@ -44,8 +44,7 @@ import timeit
 
 from validate_throughput import answer_body, prose
 
-from dflash.loops import LoopWatch, certain_loop
-from dflash.validate import repetition_loop
+from dflash.loops import LoopWatch, certain_loop, repetition_loop
 
 MIN_REPEATS, MIN_CHARS = 4, 200
 LOOP = "<tool_call>\n</think>\n"

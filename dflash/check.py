@@ -16,8 +16,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from dflash.io import SHARD_RE, iter_jsonl_lines, local_copy, percent, s3_problem, split_s3
+from dflash.loops import LOOP_MIN_REPEATS, loop_patterns
 from dflash.toolcalls import call_problems
-from dflash.validate import ANCHORS, BAD_CALL, TAGS, TOOL_CATEGORY, calls_a_tool, excerpt
+from dflash.vocabulary import ANCHORS, BAD_CALL, TAGS, TOOL_CATEGORY, calls_a_tool, excerpt
 
 # The verdict. "not usable" comes from the two gates (gates.max_category_reject_rate and
 # gates.min_tool_call_share, read from the config or the schema's defaults, so the check and the
@@ -35,50 +36,12 @@ REFUSAL = re.compile(r"\b(?:I(?:\s+am|['’]m)\s+(?:not\s+able|unable|not\s+allo
                      r"don['’]t\s+have\s+access)|unable\s+to\s+(?:help|assist|access|do|complete|provide))\b", re.I)
 REFUSAL_CHARS = 300
 
-# Loops: the model's own markup (think, tool-call and tool-response tags, function and parameter
-# tags, special tokens) with only whitespace between, a unit of 1 to LOOP_UNIT_MAX tags repeated
-# LOOP_MIN_REPEATS times or more in a row, e.g. "<tool_call> </think>" x 40. Parallel calls never
-# match: their arguments stand between the tags.
-MARKUP = re.compile(r"</?(?:think|tool_call|tool_response)>|<(?:function|parameter)=[^<>\n]{1,60}>|"
-                    r"</(?:function|parameter)>|<\|[a-z_]+\|>")
-LOOP_UNIT_MAX = 4
-LOOP_MIN_REPEATS = 3
-
 KEPT_CLASSES = ("calls", "prose", "refusal", "bad_call")
 CLASS_TEXT = {"calls": "call a tool", "prose": "answer in prose", "refusal": "refuse",
               "bad_call": "hold a broken call (its check only flags)"}
 EXCERPT_CHARS = 160
 STAGES = ("completions", "validated", "rejected")
 TOKEN_IDS = ("prompt_token_ids", "output_token_ids")  # never read here: left unparsed
-
-
-def loop_patterns(text: str) -> dict[tuple[str, ...], int]:
-    """Each tag loop of the text (its unit: a tuple of tags) with its longest run in a row."""
-    found: dict[tuple[str, ...], int] = {}
-    runs, last_end = [], None
-    for m in MARKUP.finditer(text):
-        if last_end is None or text[last_end:m.start()].strip():
-            runs.append([])
-        runs[-1].append(m.group())
-        last_end = m.end()
-    for tags in runs:
-        for k in range(1, LOOP_UNIT_MAX + 1):
-            equal = 0  # how many tags in a row equal the tag k before them
-            for i in range(k, len(tags) + 1):
-                if i < len(tags) and tags[i] == tags[i - k]:
-                    equal += 1
-                    continue
-                repeats = (equal + k) // k
-                if repeats >= LOOP_MIN_REPEATS:
-                    unit = tags[i - equal - k:i - equal]
-                    # one name per loop, wherever it starts: from its first opening tag
-                    start = next((j for j, tag in enumerate(unit) if not tag.startswith("</")), 0)
-                    unit = tuple(unit[start:] + unit[:start])
-                    found[unit] = max(found.get(unit, 0), repeats)
-                equal = 0
-    # a unit of two tags repeated is also a unit of four: keep the shortest
-    return {u: n for u, n in found.items()
-            if not any(len(o) < len(u) and len(u) % len(o) == 0 and u == o * (len(u) // len(o)) for o in found)}
 
 
 def is_refusal(answer: str) -> bool:
@@ -352,13 +315,6 @@ def check_tools(output_dir: str, gates: dict, category: str = TOOL_CATEGORY, exa
     thresholds = {k: gates.get(k) for k in ("max_category_reject_rate", "min_tool_call_share")}
     return {**verdict(result, thresholds), "output_dir": str(output_dir), "shards": len(shards["completions"]),
             "thresholds": thresholds, **result}
-
-
-def default_gates() -> dict:
-    """The gates' defaults, from the config schema: one place for the check and the run."""
-    from dflash.config import load_schema
-
-    return {k: v.get("default") for k, v in load_schema()["properties"]["gates"]["properties"].items()}
 
 
 def render(r: dict) -> str:

@@ -12,9 +12,10 @@ import os
 import sys
 from pathlib import Path
 
-from dflash.config import ConfigError, load_config
+from dflash.config import ConfigError, defaults, load_config
 from dflash.dialects import LOGGING_SERVERS
 from dflash.errors import debug_requested, describe
+from dflash.vocabulary import CATEGORIES, TOOL_CATEGORY
 from dflash.workflow import demo_target_sources, drafter_train_cfg, layer_selection, set_threads, setup_logging
 
 
@@ -128,11 +129,11 @@ def _adopt(a) -> int:
 
 
 def _check_tools(a) -> int:
-    from dflash.check import check_tools, default_gates, render
+    from dflash.check import check_tools, render
     from dflash.inspect import check_filters
 
     check_filters(category=[a.category])
-    gates = load_config(a.config)["gates"] if a.config else default_gates()
+    gates = load_config(a.config)["gates"] if a.config else defaults("gates")
     result = check_tools(a.output_dir, gates, a.category, a.examples)
     print(json.dumps(result, indent=1, ensure_ascii=False) if a.json else render(result))
     return 3 if result["verdict"] == "not usable" else 0
@@ -355,7 +356,7 @@ def add_adopt(sub, common: argparse.ArgumentParser) -> None:
     adopt.add_argument("--out", type=Path, required=True, help="completion shard to write (.jsonl.zst)")
     adopt.add_argument("--server", choices=["auto", *LOGGING_SERVERS], default="auto")
     adopt.add_argument("--tool-format", choices=["xml", "hermes"], default="xml")
-    adopt.add_argument("--category", choices=["chat", "code", "reasoning", "tool", "other"],
+    adopt.add_argument("--category", choices=CATEGORIES,
                        help="category of lines that carry none (default: other)")
     adopt.add_argument("--no-thinking", action="store_true", help="requests without enable_thinking had it off")
     adopt.set_defaults(run=_adopt)
@@ -373,7 +374,7 @@ def add_check(sub, common: argparse.ArgumentParser) -> None:
                     "refuse, calls per tool against the tools offered, the argument-schema pass rate, how "
                     "replayed conversations ended, tag loops, and examples of each.")
     tools.add_argument("output_dir", help="the run's output_dir: results, or s3://bucket/prefix/results")
-    tools.add_argument("--category", default="tool", help="the category to check (default: tool)")
+    tools.add_argument("--category", default=TOOL_CATEGORY, help=f"the category to check (default: {TOOL_CATEGORY})")
     tools.add_argument("--config", type=Path, help="read the gates' thresholds from this config "
                                                    "(default: the schema's defaults)")
     tools.add_argument("--examples", type=count(0), default=3, help="examples per class (default 3; 0: none)")

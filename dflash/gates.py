@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from dflash.io import human_bytes, percent, read_json, write_json
-from dflash.validate import EXAMPLES_PER_REASON, LENGTH_BINS, TOOL_CATEGORY, length_stats
+from dflash.vocabulary import EXAMPLES_PER_REASON, LENGTH_BINS, TOOL_CATEGORY, length_stats
 
 log = logging.getLogger(__name__)
 

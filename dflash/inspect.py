@@ -13,7 +13,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable, Iterator
 
+from dflash.config import defaults
 from dflash.io import check_zstd, iter_jsonl, local_copy, open_safetensors, read_json
+from dflash.vocabulary import CATEGORIES
 
 # What a record is whole from its head (a JSONL record is its own head).
 Entry = tuple[dict, Callable[[], dict]]
@@ -158,11 +160,9 @@ def render(rec: dict, limit: int | None = 1200, tokenizer=None) -> str:
 
 def known_values() -> dict[str, list[str]]:
     """The values each filter can match: the categories, the reason codes and the flag codes."""
-    from dflash.prompts import CATEGORIES
-    from dflash.validate import CHECKS
-
-    return {"category": list(CATEGORIES), "reason": [*CHECKS, "excluded"],
-            "flag": [*CHECKS, "special_tokens_in_content"]}
+    checks = list(defaults("validate")["checks"])
+    return {"category": list(CATEGORIES), "reason": [*checks, "excluded"],
+            "flag": [*checks, "special_tokens_in_content"]}
 
 
 def check_filters(**given: list[str]) -> None:

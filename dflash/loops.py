@@ -1,5 +1,7 @@
-"""Online loop detection: the validator's ``repetition_loop``, on a streamed text, only where more
-text cannot save it.
+"""Repetition loops, found one way everywhere: the scan validation runs on a whole text
+(``find_loop``, the ``repetition_loop`` check), the watch a stream runs on each prefix
+(``certain_loop``, ``LoopWatch``), and the tag loops ``dflash check tools`` counts
+(``loop_patterns``); each over ``periodic_runs``.
 
 Validation judges a whole text; a stream must judge a prefix, and a prefix that validation would
 reject can still end as a good record: a 300-character '=' rule ends a prefix in a repeating tail,
@@ -19,10 +21,160 @@ which ``certain_loop`` holds, at a small cost per delta instead of a re-check of
 tests/test_loops.py holds it to ``certain_loop`` at every delta of many chunkings."""
 from __future__ import annotations
 
+import re
 from collections import Counter
+from itertools import accumulate, islice
+from typing import Iterator, NamedTuple, Sequence
 
-from dflash.validate import (BLOCK_LINES, RECENT_CHARS, RECENT_LINES, Loop, find_loop, line_blocks, recent_line,
-                             tail_span, tail_window)
+
+def periodic_runs(items: Sequence, period: int) -> Iterator[tuple[int, int]]:
+    """Each stretch of ``items`` with period ``period``: (index of its first item, how many items
+    in a row equal the one ``period`` before them, at least 1). The stretch repeats its first
+    ``period`` items (equal + period) / period times."""
+    equal = 0
+    for i in range(period, len(items) + 1):
+        if i < len(items) and items[i] == items[i - period]:
+            equal += 1
+        elif equal:
+            yield i - equal - period, equal
+            equal = 0
+
+
+BLOCK_LINES = 8  # the longest block of lines a loop repeats
+TAIL_PROBE = 32  # the tail's last this many characters must recur for it to repeat a span
+# one line of 8 characters or more (stripped) making half of the last 40 non-empty lines (20 at least)
+RECENT_LINES, RECENT_MIN, RECENT_CHARS = 40, 20, 8
+
+
+class Loop(NamedTuple):
+    detail: str  # what repeats, as repetition_loop says it
+    start: int  # character offset of the loop's first repetition
+
+
+def tail_window(min_chars: int) -> int:
+    """How many characters at the end of a text the tail check looks at."""
+    return 4 * max(min_chars, 512)
+
+
+def frequent_lines(counts: Counter, least: int) -> set[str]:
+    """The non-blank lines that come ``least`` times or more."""
+    return {line for line, n in counts.items() if n >= least and line.strip()} \
+        if max(counts.values(), default=0) >= least else set()
+
+
+def line_blocks(lines: list[str], min_repeats: int, min_chars: int,
+                frequent: set[str] | None = None) -> tuple[str, int] | None:
+    """Identical lines or blocks of up to 8 lines repeated ``min_repeats`` times in a row over
+    ``min_chars`` characters: (detail, index of the stretch's first line), or None. A stretch that
+    qualifies still does with more lines after it, and inside any run of lines holding it.
+    ``frequent``: frequent_lines(Counter(lines), min(min_repeats, 10)), when already known (10: see find_loop)."""
+    if frequent is None:
+        frequent = frequent_lines(Counter(lines), min(min_repeats, RECENT_MIN // 2))
+    # A loop of blocks of up to 8 lines brings some frequent line back within 8 lines; most texts
+    # have none, and skip the scans below.
+    close_repeat, last_seen = False, {}
+    for i in [i for i, line in enumerate(lines) if line in frequent] if frequent else ():
+        close_repeat = close_repeat or i - last_seen.get(lines[i], -BLOCK_LINES - 1) <= BLOCK_LINES
+        last_seen[lines[i]] = i
+    if close_repeat:
+        ends = list(accumulate(len(ln) + 1 for ln in lines))  # ends[j]: chars up to the end of line j
+    for k in range(1, BLOCK_LINES + 1) if close_repeat else ():
+        for first, equal in periodic_runs(lines, k):
+            last = first + k + equal - 1
+            if (equal >= k * (min_repeats - 1) and ends[last] - (ends[first - 1] if first else 0) >= min_chars
+                    and any(ln.strip() for ln in lines[first:first + k])):
+                unit = "\n".join(lines[first:first + k])
+                return f"{(equal + k) // k} x {unit[:60]!r} ({k} line{'s' * (k > 1)} in a row)", first
+    return None
+
+
+def tail_span(tail: str, min_repeats: int, min_chars: int) -> tuple[str, int] | None:
+    """A text's last ``tail_window`` characters that end in one span over and over (no line breaks
+    needed): (detail, the span's period), or None."""
+    probe = tail[-TAIL_PROBE:]
+    previous = tail.rfind(probe, 0, len(tail) - 1) if len(probe) == TAIL_PROBE else -1
+    if previous >= 0:
+        period = len(tail) - TAIL_PROBE - previous
+        run = max(period * (min_repeats - 1), min_chars - period)
+        if run + period <= len(tail) and tail[-run:] == tail[-run - period:-period]:
+            return f"the tail repeats {tail[-period:][:60]!r} (period {period} chars)", period
+    return None
+
+
+def recent_line(lines: list[str]) -> tuple[str, int] | None:
+    """One line of 8 characters or more making up half of the last 40 non-empty lines (20 at
+    least): (detail, index of its first line among them), or None. Looks at the end only."""
+    recent = list(islice((i for i in range(len(lines) - 1, -1, -1) if lines[i].strip()), RECENT_LINES))
+    common = Counter(lines[i] for i in recent if len(lines[i].strip()) >= RECENT_CHARS).most_common(1)
+    if len(recent) >= RECENT_MIN and common and common[0][1] * 2 >= len(recent):
+        line = common[0][0]
+        return (f"{common[0][1]} of the last {len(recent)} lines are {line[:60]!r}",
+                min(i for i in recent if lines[i] == line))
+    return None
+
+
+def find_loop(text: str, min_repeats: int, min_chars: int) -> Loop | None:
+    """Where the text loops, or None: identical lines or blocks of up to 8 lines repeated
+    ``min_repeats`` times in a row over ``min_chars`` characters; a tail that is one span over and
+    over (no line breaks needed); or one line making up half of the last 40. Lines that are alike
+    but not identical (code, tables, numbered lists, data) never count. The start of a repeating
+    tail is where the span begins to repeat, however far back."""
+    lines = text.split("\n")
+    counts = Counter(lines)
+    # 10 (half of RECENT_MIN) and not more: recent_line needs a line 10 times or more
+    frequent = frequent_lines(counts, min(min_repeats, RECENT_MIN // 2))
+    hit = line_blocks(lines, min_repeats, min_chars, frequent)
+    if hit is None and (span := tail_span(text[-tail_window(min_chars):], min_repeats, min_chars)):
+        period, start = span[1], len(text) - span[1]
+        while start >= period and text[start - period:start] == text[start:start + period]:
+            start -= period
+        while start and text[start - 1] == text[start - 1 + period]:
+            start -= 1
+        return Loop(span[0], start)
+    if hit is None and any(counts[line] >= RECENT_MIN // 2 for line in frequent):  # most texts have none
+        hit = recent_line(lines)
+    return hit and Loop(hit[0], sum(len(ln) + 1 for ln in islice(lines, hit[1])))
+
+
+def repetition_loop(text: str, min_repeats: int, min_chars: int) -> str | None:
+    """What repeats where the text loops (see find_loop), or None: the check of the same name."""
+    loop = find_loop(text, min_repeats, min_chars)
+    return loop.detail if loop else None
+
+
+# Tag loops: the model's own markup (think, tool-call and tool-response tags, function and parameter
+# tags, special tokens) with only whitespace between, a unit of 1 to LOOP_UNIT_MAX tags repeated
+# LOOP_MIN_REPEATS times or more in a row, e.g. "<tool_call> </think>" x 40. Parallel calls never
+# match: their arguments stand between the tags.
+MARKUP = re.compile(r"</?(?:think|tool_call|tool_response)>|<(?:function|parameter)=[^<>\n]{1,60}>|"
+                    r"</(?:function|parameter)>|<\|[a-z_]+\|>")
+LOOP_UNIT_MAX = 4
+LOOP_MIN_REPEATS = 3
+
+
+def loop_patterns(text: str) -> dict[tuple[str, ...], int]:
+    """Each tag loop of the text (its unit: a tuple of tags) with its longest run in a row."""
+    found: dict[tuple[str, ...], int] = {}
+    runs, last_end = [], None
+    for m in MARKUP.finditer(text):
+        if last_end is None or text[last_end:m.start()].strip():
+            runs.append([])
+        runs[-1].append(m.group())
+        last_end = m.end()
+    for tags in runs:
+        for k in range(1, LOOP_UNIT_MAX + 1):
+            for first, equal in periodic_runs(tags, k):
+                repeats = (equal + k) // k
+                if repeats >= LOOP_MIN_REPEATS:
+                    unit = tags[first:first + k]
+                    # one name per loop, wherever it starts: from its first opening tag
+                    start = next((j for j, tag in enumerate(unit) if not tag.startswith("</")), 0)
+                    unit = tuple(unit[start:] + unit[:start])
+                    found[unit] = max(found.get(unit, 0), repeats)
+    # a unit of two tags repeated is also a unit of four: keep the shortest
+    return {u: n for u, n in found.items()
+            if not any(len(o) < len(u) and len(u) % len(o) == 0 and u == o * (len(u) // len(o)) for o in found)}
+
 
 CERTAIN_LINES = 4 * RECENT_LINES  # the non-empty lines a line must make half of before it is a loop
 

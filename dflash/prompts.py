@@ -39,12 +39,11 @@ from dflash.chat import TokenScreen, rebuild_text, render, template_message, tex
 from dflash.dialects import detect_server
 from dflash.io import atomic_dir, dumps_line, iter_jsonl, jsonl_zst_writer, local_copy, shard_name, write_json
 from dflash.records import record_problem
+from dflash.vocabulary import CATEGORIES, SPLITS
 from dflash.workflow import notice
 
 log = logging.getLogger(__name__)
 
-CATEGORIES = ("chat", "code", "reasoning", "tool", "other")
-SPLITS = ("train", "heldout")
 SORTED_CATEGORIES = tuple(sorted(CATEGORIES))  # codes that sort as the names: stratification breaks ties on them
 CATEGORY_CODE = {c: i for i, c in enumerate(SORTED_CATEGORIES)}
 SCREEN_BATCH = 256  # records read and not yet screened: what the records themselves hold of memory

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from dflash.benchmarks import stage_costs
 from dflash.io import atomic_path, human_bytes, human_duration, percent, read_json, write_json
-from dflash.validate import EXAMPLES_PER_REASON, TOOL_CATEGORY
+from dflash.vocabulary import EXAMPLES_PER_REASON, TOOL_CATEGORY
 
 SUMMARY_PAGE, QA_PAGE = "summary.html", "qa.html"  # side by side in report/, linked by these names
 

@@ -7,13 +7,15 @@ from collections import Counter
 import pytest
 import yaml
 
-from dflash.check import Tally, is_refusal, loop_patterns, verdict
+from dflash.check import Tally, is_refusal, verdict
+from dflash.loops import loop_patterns
 from dflash.cli import main
 from dflash.generate import generate_shard
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source
 from dflash.toolcalls import check_tool_calls
-from dflash.validate import BAD_CALL, validate_shard
+from dflash.validate import validate_shard
+from dflash.vocabulary import BAD_CALL
 from tests.conftest import ROOT
 from tests.test_validate import CFG, GOOD, STORY_LOOP, answer, xml
 

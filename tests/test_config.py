@@ -58,6 +58,20 @@ def test_a_server_dialect_is_one_entry_in_dialects_and_its_schema_enums():
     assert detect_server({}, {"content": "x"}) is None
 
 
+def test_every_schema_names_the_same_categories_splits_and_reason_codes():
+    from dflash.validate import CHECKS
+    from dflash.vocabulary import CATEGORIES, SPLITS
+
+    def properties(name):
+        return yaml.safe_load((ROOT / "dflash" / "schemas" / f"{name}.schema.yaml").read_text())["properties"]
+
+    source = properties("config")["prompts"]["properties"]["sources"]["items"]["properties"]
+    assert source["category"]["enum"] == properties("prompt")["category"]["enum"] == list(CATEGORIES)
+    assert properties("completion")["category"]["enum"] == list(CATEGORIES)
+    assert properties("prompt")["meta"]["properties"]["split"]["enum"] == list(SPLITS)
+    assert set(properties("config")["validate"]["properties"]["checks"]["properties"]) == set(CHECKS)
+
+
 def test_misspelled_key_names_key_file_and_suggestion(tmp_path):
     raw = yaml.safe_load((ROOT / "config.yaml").read_text())
     raw["generate"]["samplng"] = raw["generate"].pop("sampling")

@@ -5,7 +5,8 @@ import pytest
 from dflash.config import check_config
 from dflash.gates import GateError, run_gates, write_qa_summary
 from dflash.io import write_json, write_jsonl_zst
-from dflash.validate import calls_a_tool, validate_shard
+from dflash.validate import validate_shard
+from dflash.vocabulary import calls_a_tool
 from tests.test_report import GATES
 from tests.test_validate import CFG, GOOD, answer, xml
 

@@ -11,8 +11,7 @@ import random
 
 import pytest
 
-from dflash.loops import LoopWatch, certain_loop
-from dflash.validate import find_loop, repetition_loop
+from dflash.loops import LoopWatch, certain_loop, find_loop, repetition_loop
 from tests.test_validate import (CODE_LISTING, GOOD, LOOPING_PARAGRAPH, NUMBERED, REASONING, STORY_LOOP, TABLE)
 
 THRESHOLDS = [(4, 200), (2, 1), (3, 40), (10, 600)]  # the default, then looser and stricter

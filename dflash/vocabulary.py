@@ -1,0 +1,74 @@
+"""The words every stage, check and report shares about records: the data categories and splits,
+the tool-call reason codes and what makes a kept record a tool-calling one, the model's markup, and
+how a problem is shown (an excerpt around where it is, the length histogram's bins).
+
+The validation checks themselves and their reason codes' actions live with the validate stage and
+the config schema (``validate.checks``); the loop scan in ``loops``. This module imports nothing of
+the package, so a report or a CLI command reads it without a stage."""
+from __future__ import annotations
+
+import re
+import statistics
+from bisect import bisect_right
+
+# The record schemas' and the config schema's category enums say the same (tests/test_config.py).
+CATEGORIES = ("chat", "code", "reasoning", "tool", "other")
+SPLITS = ("train", "heldout")
+TOOL_CATEGORY = "tool"  # the category whose kept records should call tools (gates.min_tool_call_share)
+
+# Problems that make a parsed call unusable as a training example of calling a tool (the other
+# tool codes say where a call sits, not whether it is one).
+BAD_CALL = ("tool_unclosed", "tool_bad_json", "tool_bad_xml", "tool_unknown_name", "tool_args_schema",
+            "tool_missing_required", "tool_without_tools")
+
+
+def calls_a_tool(qa: dict) -> bool:
+    """Whether a judged record holds at least one valid tool call in its answer: a parsed call,
+    and none of the problems that would make it a wrong example (when those are only flagged)."""
+    return bool(qa.get("tool_calls")) and not set(BAD_CALL) & set(qa.get("flags", []) + qa.get("reasons", []))
+
+
+TAGS = re.compile(r"</?think>|</?tool_call>|</?tool_response>|<\|[a-z_]+\|>")
+STRAY_THINK = re.compile(r"</?think>")
+CONTROL = r"\x00-\x08\x0b\x0c\x0e-\x1f\x7f"
+# One pass finds all three: a replacement character, a lone surrogate (not encodable as UTF-8), a control.
+BAD_CHAR = re.compile(f"[\ufffd\ud800-\udfff{CONTROL}]")
+
+# Fixed bin edges (output tokens) so per-shard histograms add up across shards in the summary.
+LENGTH_BINS = [0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+EXAMPLES_PER_REASON = 3
+WINDOW = 400  # characters of text shown around a problem
+ANCHORS = {  # where in the record a problem shows: (field, pattern); the end of the text if none
+    "stray_think": ("content", STRAY_THINK),
+    "encoding": ("text", BAD_CHAR),
+    "tool_call_in_reasoning": ("reasoning", re.compile("<tool_call>")),
+    "text_after_tool_call": ("content", re.compile(r"</tool_call>(?![\s\S]*</tool_call>)")),
+    "trivial": ("text", re.compile("^")),
+    "empty_answer": ("text", re.compile("^")),
+    "empty_reasoning": ("text", re.compile("^")),
+    **{code: ("content", re.compile("<tool_call>|</tool_call>|<function=|<parameter=")) for code in BAD_CALL},
+}
+
+
+def excerpt(rec: dict, code: str) -> str:
+    """About WINDOW characters of the record around where ``code`` shows, ``…`` where cut."""
+    field, pattern = ANCHORS.get(code, ("text", None))
+    text = rec.get(field) or ""
+    hit = pattern.search(text) if pattern else None
+    if hit is None:
+        return ("…" if len(text) > WINDOW else "") + text[-WINDOW:]
+    start = max(0, hit.start() - WINDOW // 4)
+    return ("…" if start else "") + text[start:start + WINDOW] + ("…" if start + WINDOW < len(text) else "")
+
+
+def length_stats(values: list[int]) -> dict:
+    """Summary and fixed-bin histogram of a category's lengths."""
+    if not values:
+        return {"n": 0}
+    ordered = sorted(values)
+    hist = [0] * len(LENGTH_BINS)
+    for v in ordered:
+        hist[bisect_right(LENGTH_BINS, v) - 1] += 1
+    return {"n": len(ordered), "sum": sum(ordered), "mean": round(sum(ordered) / len(ordered), 1),
+            "median": statistics.median(ordered), "p90": ordered[int(0.9 * (len(ordered) - 1))],
+            "max": ordered[-1], "histogram": hist}
