@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import html
 import json
-import math
 import re
 import subprocess
 import textwrap
@@ -20,6 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from dflash.benchmarks import stage_costs
+from dflash.charts import bars_svg, fmt, histogram_svg, loss_svg
 from dflash.io import atomic_path, human_bytes, human_duration, percent, read_json, write_json
 from dflash.validate import EXAMPLES_PER_REASON, TOOL_CATEGORY
 
@@ -122,24 +122,13 @@ def _durability(found: dict) -> dict:
 # numbers for readers
 
 
-def _fmt(v) -> str:
-    """A number rounded for reading: 12345 -> '12,345', 3.14159 -> '3.14', 0.00123 -> '0.0012'."""
-    if v is None:
-        return "-"
-    if isinstance(v, int) or float(v).is_integer():
-        return f"{int(v):,}"
-    a = abs(v)
-    return (f"{v:,.0f}" if a >= 100 else f"{v:.1f}" if a >= 10 else f"{v:.2f}" if a >= 0.1 or a == 0
-            else f"{v:.2g}")
-
-
 def _gate_value(gate: str, v) -> str:
     """Bytes in human units, rates and shares as percentages."""
     if v is None:
         return "-"
     if gate.endswith("_bytes"):
         return human_bytes(v)
-    return percent(v) if ("rate" in gate or "share" in gate) else _fmt(v)
+    return percent(v) if ("rate" in gate or "share" in gate) else fmt(v)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,140 +265,6 @@ def headline_lines(summary: dict, report: str | Path | None = None) -> list[str]
 
 
 # ---------------------------------------------------------------------------------------------
-# plots: inline SVG with axes, ticks, labels and values
-
-
-COLOURS = ["#1f77b4", "#aaaaaa"]
-CHAR_PX = 6.2  # rough width of one character at font-size 11, to keep labels apart
-
-
-def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    """Round tick values (1, 2, 2.5 or 5 x 10^k apart) from at or below ``lo`` to at or above ``hi``."""
-    if hi <= lo:
-        hi = lo + 1
-    raw = (hi - lo) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    first = math.floor(lo / step + 1e-9) * step
-    count = math.ceil((hi - first) / step - 1e-9)
-    return [round(first + i * step, 10) for i in range(count + 1)]
-
-
-def _text(x: float, y: float, s: str, size: int = 11, anchor: str = "start", extra: str = "") -> str:
-    return (f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" {extra}>'
-            f"{html.escape(s)}</text>")
-
-
-BOLD = 'font-weight="bold"'
-
-
-def _svg(width: float, height: float, title: str, body: str) -> str:
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
-            f'font-family="sans-serif" role="img" aria-label="{html.escape(title)}">'
-            f'<rect width="100%" height="100%" fill="white"/>{_text(8, 16, title, 13, extra=BOLD)}{body}</svg>')
-
-
-def _y_axis(ticks: list[float], left: float, right: float, y, label: str, top: float, bottom: float) -> str:
-    """Grid lines and tick values at ``y(tick)``, the axis title turned along the axis."""
-    out = "".join(f'<line x1="{left}" x2="{right}" y1="{y(t):.1f}" y2="{y(t):.1f}" stroke="#e5e5e5"/>'
-                  + _text(left - 5, y(t) + 4, f"{t:,.6g}", 10, "end") for t in ticks)
-    mid = (top + bottom) / 2
-    return (out + f'<line x1="{left}" x2="{left}" y1="{top}" y2="{bottom}" stroke="#444"/>'
-            + _text(13, mid, label, 11, "middle", f'transform="rotate(-90 13 {mid:.1f})"'))
-
-
-def _bars_svg(title: str, labels: list[str], series: dict[str, list[float]], x_label: str, y_label: str,
-              baseline: tuple[float, str] | None = None, height: int = 250) -> str:
-    """Grouped bars, one group per label and one bar per series, each bar's value on top;
-    ``baseline``: (value, words) drawn as a dashed line."""
-    n, k = len(labels), len(series)
-    bar = 40 if k == 1 else 34
-    group = bar * k + 12
-    label_px = max((len(str(lab)) for lab in labels), default=1) * CHAR_PX
-    turn = label_px > group - 4  # labels wider than their group are turned, so none overlap
-    left, right, top = 58, 16, 52 if k > 1 or baseline else 36
-    bottom = 44 + (label_px * 0.65 if turn else 0)
-    width = max(left + right + n * group, len(title) * 7.5 + 16, 300)
-    plot_w = width - left - right
-    group = plot_w / max(1, n)
-    values = [v for vs in series.values() for v in vs if v is not None]
-    ticks = _ticks(0, max(values + [baseline[0] if baseline else 0], default=0) or 1)
-    y0, y1 = height - bottom, top
-
-    def y(v: float) -> float:
-        return y0 - (y0 - y1) * v / ticks[-1]
-
-    out = [_y_axis(ticks, left, width - right, y, y_label, y1, y0)]
-    for j, (name, vs) in enumerate(series.items()):
-        for i, v in enumerate(vs):
-            if v is None:
-                continue
-            x = left + i * group + (group - bar * k) / 2 + j * bar
-            out.append(f'<rect x="{x:.1f}" y="{y(v):.1f}" width="{bar - 2}" height="{y0 - y(v):.1f}" '
-                       f'fill="{COLOURS[j % len(COLOURS)]}"><title>{html.escape(f"{name} {labels[i]}: {_fmt(v)}")}'
-                       f"</title></rect>")
-            if v:
-                out.append(_text(x + (bar - 2) / 2, y(v) - 3, _fmt(v), 10, "middle"))
-    for i, lab in enumerate(labels):
-        cx = left + (i + 0.5) * group
-        out.append(_text(cx, y0 + 14, str(lab), 11, "end", f'transform="rotate(-40 {cx:.1f} {y0 + 14:.1f})"')
-                   if turn else _text(cx, y0 + 15, str(lab), 11, "middle"))
-    out.append(f'<line x1="{left}" x2="{width - right}" y1="{y0}" y2="{y0}" stroke="#444"/>'
-               + _text(left + plot_w / 2, height - 6, x_label, 11, "middle"))
-    dash = 'stroke="#d62728" stroke-dasharray="6 4" stroke-width="1.5"'
-    if baseline:
-        at = y(baseline[0])
-        out.append(f'<line x1="{left}" x2="{width - right}" y1="{at:.1f}" y2="{at:.1f}" {dash}/>')
-    # the legend, in a row under the title: each series' colour, then the baseline's dashes
-    x = left
-    for j, name in enumerate(series if k > 1 else []):
-        out.append(f'<rect x="{x}" y="25" width="11" height="11" fill="{COLOURS[j % len(COLOURS)]}"/>'
-                   + _text(x + 15, 35, name, 11))
-        x += 30 + len(name) * CHAR_PX
-    if baseline:
-        out.append(f'<line x1="{x}" x2="{x + 22}" y1="30.5" y2="30.5" {dash}/>' + _text(x + 27, 35, baseline[1], 11))
-    return _svg(width, height, title, "".join(out))
-
-
-def _histogram_svg(title: str, bins: list[int], counts: list[int], x_label: str) -> str:
-    """Counts over length bins, shown up to the bin holding the longest: each labelled with its range."""
-    last = max((i for i, c in enumerate(counts) if c), default=0)
-    labels = [f"{lo}-{bins[i + 1] - 1}" if i + 1 < len(bins) else f"{lo}+" for i, lo in enumerate(bins[:last + 1])]
-    return _bars_svg(title, labels, {"records": counts[:last + 1]}, x_label, "records")
-
-
-def _loss_svg(curve: list[list[float]], width: int = 600, height: int = 270) -> str:
-    drawn = [c for c in curve if math.isfinite(c[1])]
-    lost = len(curve) - len(drawn)
-    skipped = f"<p>{lost} logged losses are not finite (not drawn)</p>" if lost else ""
-    if len(drawn) < 2:
-        return skipped + "<p>no loss curve</p>"
-    curve = drawn
-    left, right, top, bottom = 58, 20, 34, 44
-    xs, ys = [c[0] for c in curve], [c[1] for c in curve]
-    xt, yt = _ticks(min(xs), max(xs), 6), _ticks(min(ys), max(ys), 5)
-
-    def x(v: float) -> float:
-        return left + (width - left - right) * (v - xt[0]) / ((xt[-1] - xt[0]) or 1)
-
-    def y(v: float) -> float:
-        return height - bottom - (height - top - bottom) * (v - yt[0]) / ((yt[-1] - yt[0]) or 1)
-
-    points = " ".join(f"{x(a):.1f},{y(b):.1f}" for a, b in curve)
-    out = [_y_axis(yt, left, width - right, y, "loss", top, height - bottom),
-           f'<line x1="{left}" x2="{width - right}" y1="{height - bottom}" y2="{height - bottom}" stroke="#444"/>',
-           *(f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{height - bottom}" y2="{height - bottom + 4}" stroke="#444"/>'
-             + _text(x(t), height - bottom + 16, _fmt(t), 10, "middle") for t in xt),
-           _text(left + (width - left - right) / 2, height - 6, "training step", 11, "middle"),
-           f'<polyline fill="none" stroke="{COLOURS[0]}" stroke-width="2" points="{points}"/>']
-    for a, b, anchor in ((xs[0], ys[0], "start"), (xs[-1], ys[-1], "end")):
-        out.append(f'<circle cx="{x(a):.1f}" cy="{y(b):.1f}" r="3" fill="{COLOURS[0]}"/>'
-                   + _text(x(a) + (6 if anchor == "start" else -6), y(b) - 6, f"{b:.2f} at step {_fmt(a)}", 10, anchor))
-    return skipped + _svg(width, height, f"training loss: {ys[0]:.2f} to {ys[-1]:.2f} in {_fmt(xs[-1])} steps",
-                          "".join(out))
-
-
-# ---------------------------------------------------------------------------------------------
 # pages
 
 
@@ -490,29 +345,29 @@ def render_qa_html(qa: dict, about: dict | None = None, run: str | None = None) 
     """The QA page: overall counts, rates per check and category, length plots, examples."""
     counts = _table(["category", "completions", "kept", "kept calling a tool", "rejected", "reject rate",
                      "median trainable tokens"], [
-        [cat, _fmt(c.get("records", 0)), _fmt(c.get("kept", 0)), _fmt(c.get("kept_calling_tool", 0)),
-         _fmt(c.get("rejected", 0)), percent(c["reject_rate"]),
-         _fmt(qa["trainable_tokens"]["by_category"].get(cat, {}).get("median"))]
+        [cat, fmt(c.get("records", 0)), fmt(c.get("kept", 0)), fmt(c.get("kept_calling_tool", 0)),
+         fmt(c.get("rejected", 0)), percent(c["reject_rate"]),
+         fmt(qa["trainable_tokens"]["by_category"].get(cat, {}).get("median"))]
         for cat, c in qa["categories"].items()
-    ] + [["all", _fmt(qa["records"]), _fmt(qa["kept"]),
-          _fmt(sum(c.get("kept_calling_tool", 0) for c in qa["categories"].values())), _fmt(qa["rejected"]),
-          percent(qa["reject_rate"]), _fmt(qa["trainable_tokens"]["median"])]])
+    ] + [["all", fmt(qa["records"]), fmt(qa["kept"]),
+          fmt(sum(c.get("kept_calling_tool", 0) for c in qa["categories"].values())), fmt(qa["rejected"]),
+          percent(qa["reject_rate"]), fmt(qa["trainable_tokens"]["median"])]])
     plots = "".join(
-        _histogram_svg(f"{cat}: output tokens (n={k['output_tokens']['n']}, mean {_fmt(k['output_tokens']['mean'])}, "
-                       f"max {_fmt(k['output_tokens']['max'])})", qa["length_bins"], k["output_tokens"]["histogram"],
+        histogram_svg(f"{cat}: output tokens (n={k['output_tokens']['n']}, mean {fmt(k['output_tokens']['mean'])}, "
+                       f"max {fmt(k['output_tokens']['max'])})", qa["length_bins"], k["output_tokens"]["histogram"],
                        "output tokens per completion")
         for cat, k in qa["lengths"].items() if k.get("output_tokens", {}).get("n"))
     tok = qa["tokenized"]
     tokenization = _table(["rows", "tokens", "trainable tokens", "from ids", "from text", "decode differs from text",
                            "re-tokenized text differs from ids (sample)", "prompt boundary unstable", "truncated",
                            "dropped (no anchor)"], [[
-        _fmt(tok.get("rows", 0)), _fmt(tok.get("tokens", 0)), _fmt(tok.get("trainable_tokens", 0)),
-        _fmt(tok.get("from_ids", 0)), _fmt(tok.get("from_text", 0)), _fmt(tok.get("text_mismatch", 0)),
+        fmt(tok.get("rows", 0)), fmt(tok.get("tokens", 0)), fmt(tok.get("trainable_tokens", 0)),
+        fmt(tok.get("from_ids", 0)), fmt(tok.get("from_text", 0)), fmt(tok.get("text_mismatch", 0)),
         _share(tok.get("retokenize_differs", 0), tok.get("retokenize_checked")),
-        _share(tok.get("boundary_unstable", 0), tok.get("boundary_checked")), _fmt(tok.get("truncated", 0)),
-        _fmt(tok.get("dropped_no_anchor", 0))]])
+        _share(tok.get("boundary_unstable", 0), tok.get("boundary_checked")), fmt(tok.get("truncated", 0)),
+        fmt(tok.get("dropped_no_anchor", 0))]])
     trainable_plots = "".join(
-        _histogram_svg(f"{cat}: trainable tokens per row (n={c['rows']}, median {_fmt(c['median'])})",
+        histogram_svg(f"{cat}: trainable tokens per row (n={c['rows']}, median {fmt(c['median'])})",
                        qa["length_bins"], c["histogram"], "trainable tokens per row")
         for cat, c in qa["trainable_tokens"]["by_category"].items() if c.get("histogram"))
     examples = "".join(
@@ -580,7 +435,7 @@ def _serving_html(commands: dict | None) -> str:
 
 def render_html(s: dict) -> str:
     p, v, t, tr, ev = s["prompts"], s["validate"], s["tokenized"], s["train"], s["eval"]
-    stages = _table(["stage", "count"], [[name, _fmt(n) if isinstance(n, (int, float)) else n] for name, n in [
+    stages = _table(["stage", "count"], [[name, fmt(n) if isinstance(n, (int, float)) else n] for name, n in [
         ["training prompts", p["prompts"]], ["prompt shards", len(p["shards"])], ["held-out prompts", p["heldout"]],
         ["duplicates dropped", p["dropped"].get("duplicate", 0)], ["completions", v["records"]],
         ["validated (kept)", v["kept"]], ["rejected", f"{v['rejected']:,} ({percent(v['reject_rate'])})"],
@@ -590,8 +445,8 @@ def render_html(s: dict) -> str:
     ]])
     checks = _check_rates(v)
     per_cat = _table(["category", "completions", "kept", "kept calling a tool", "rejected", "trainable tokens"], [
-        [cat, _fmt(c.get("records", 0)), _fmt(c.get("kept", 0)), _fmt(c.get("kept_calling_tool", 0)),
-         _fmt(c.get("rejected", 0)), _fmt(t["trainable_by_category"].get(cat, {}).get("total", 0))]
+        [cat, fmt(c.get("records", 0)), fmt(c.get("kept", 0)), fmt(c.get("kept_calling_tool", 0)),
+         fmt(c.get("rejected", 0)), fmt(t["trainable_by_category"].get(cat, {}).get("total", 0))]
         for cat, c in v["categories"].items()
     ])
     gates = _table(["gate", "limit", "measured", "verdict", "what it measured"], [
@@ -612,17 +467,17 @@ def render_html(s: dict) -> str:
     acceptance = _table(["category", "acceptance length", "untrained drafter", "per verify step (vLLM's figure)",
                          "prompts", "tokens", "target forwards", "plain decoding forwards", "forwards saved"], [
         [cat, f"{e['acceptance_length']:.3f}", f"{plain(cat):.3f}" if plain(cat) else "-", per_step(e),
-         _fmt(e["prompts"]),
-         _fmt(e["tokens"]), _fmt(e["target_forwards"]), _fmt(e.get("plain_forwards", e["tokens"])),
+         fmt(e["prompts"]),
+         fmt(e["tokens"]), fmt(e["target_forwards"]), fmt(e.get("plain_forwards", e["tokens"])),
          f"{e['tokens'] - e['target_forwards']:,} ({(e['tokens'] - e['target_forwards']) / max(1, e['tokens']):.1%})"]
         for cat, e in rows
-    ]) + '<div class="plots">' + _bars_svg(
+    ]) + '<div class="plots">' + bars_svg(
         "acceptance length per category", [cat for cat, _ in rows],
         {"trained": [e["acceptance_length"] for _, e in rows],
          **({"untrained": [plain(cat) for cat, _ in rows]} if untrained else {})},
         "held-out prompts of each category", "tokens per target forward", baseline=(1.0, "1.0 = no speed-up"),
         height=290) + "</div>"
-    loss = _loss_svg(tr["curve"])
+    loss = loss_svg(tr["curve"])
     engine = " through vLLM (eval.engine: vllm)" if ev.get("engine") == "vllm" else ""
     serving = _serving_html(s.get("serving"))
     return _page(f"dflash-pipeline run <code>{html.escape(s['run'])}</code>", f"""{_durability_html(s.get("durability"))}
