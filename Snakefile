@@ -75,7 +75,7 @@ onsuccess:
     summary = f"{OUT}/report/summary.json"
     if os.path.exists(summary) and os.path.getmtime(summary) >= STARTED:
         from dflash.io import read_json
-        from dflash.report import headline_lines
+        from dflash.headline import headline_lines
 
         print("\n".join(headline_lines(read_json(summary), f"{OUT}/report/summary.html")), file=sys.stderr)
 

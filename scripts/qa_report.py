@@ -4,7 +4,8 @@ from dflash.workflow import start_job
 
 start_job(snakemake)
 
-from dflash.report import provenance, write_qa_page  # noqa: E402
+from dflash.pages import write_qa_page  # noqa: E402
+from dflash.report import provenance  # noqa: E402
 
 # computed here, not passed as a param: a new commit alone must not re-run the page
 about = provenance(snakemake.config, Path(snakemake.scriptdir).parent)

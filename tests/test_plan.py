@@ -78,7 +78,7 @@ def test_the_plan_says_what_loop_aborts_saved_in_the_pilot():
     the forecast holds the saving; the plan says how much it is, the pilot's lines and the report's
     generation facts too."""
     from dflash.pilot import pilot_lines
-    from dflash.report import _generation_fact
+    from dflash.headline import _generation_fact
 
     cfg = load_config(ROOT / "config/qwen3.6-27b.yaml")
     per_prompt = {"n": 100, "mean": 2000.0, "sd": 500.0}

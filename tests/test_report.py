@@ -11,9 +11,10 @@ import pytest
 
 from dflash.benchmarks import stage_costs
 from dflash.gates import GateError, run_gates, write_qa_summary
+from dflash.headline import headline_lines
 from dflash.io import read_json, write_json, write_jsonl_zst
-from dflash.report import (config_digest, headline_lines, pipeline_commit, provenance, write_qa_page,
-                           write_report)
+from dflash.pages import write_qa_page
+from dflash.report import config_digest, pipeline_commit, provenance, write_report
 from dflash.storage import safe_to_destroy
 from dflash.validate import validate_shard
 from tests.test_validate import CFG, GOOD, STORY_LOOP, answer, record, xml
