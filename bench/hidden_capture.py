@@ -65,7 +65,7 @@ from safetensors.torch import load_file, save_file
 from dflash.cache_size import GREEDY_BYTES, cache_bytes, resolve_layer_ids
 from dflash.config import load_config
 from dflash.hidden import DTYPES, capture_shard
-from dflash.io import human_bytes
+from dflash.units import human_bytes
 from dflash.workflow import HIDDEN_FORMAT, layer_selection
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -31,7 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash.io import dumps_line, human_bytes, jsonl_zst_writer  # noqa: E402
+from dflash.io import dumps_line, jsonl_zst_writer  # noqa: E402
+from dflash.units import human_bytes  # noqa: E402
 
 FULL = {"sharegpt": 420_000, "code": 200_000, "reasoning": 180_000, "tools": 113_786}  # 913,786 prompts
 SOURCES = [  # as config/qwen3.6-27b.yaml names them

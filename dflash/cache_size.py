@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash.io import human_bytes
+from dflash.units import human_bytes
 
 GREEDY_BYTES = 4  # one int32 per token: the target's greedy next token (target_argmax)
 VALUE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}

@@ -15,9 +15,11 @@ import re
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from dflash.io import SHARD_RE, iter_jsonl_lines, local_copy, percent, s3_problem, split_s3
+from dflash.io import SHARD_RE, iter_jsonl_lines
 from dflash.loops import LOOP_MIN_REPEATS, loop_patterns
+from dflash.storage import list_objects, local_copy, split_s3
 from dflash.toolcalls import call_problems
+from dflash.units import percent
 from dflash.vocabulary import ANCHORS, BAD_CALL, TAGS, TOOL_CATEGORY, calls_a_tool, excerpt
 
 # The verdict. "not usable" comes from the two gates (gates.max_category_reject_rate and
@@ -248,14 +250,9 @@ def shard_paths(folder: str) -> list[str] | None:
         if not Path(folder).is_dir():
             return None
         return sorted(str(p) for p in Path(folder).iterdir() if SHARD_RE.match(p.name))
-    from dflash.storage import s3_client
-
-    bucket, key = split_s3(folder)
-    try:
-        pages = s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{key}/")
-        names = [o["Key"][len(key) + 1:] for page in pages for o in page.get("Contents", [])]
-    except Exception as e:
-        raise ValueError(s3_problem(folder, e) or f"{folder}: {type(e).__name__}: {e}") from None
+    folder = folder.rstrip("/")
+    key = split_s3(folder)[1] + "/"
+    names = [o["Key"][len(key):] for o in list_objects(folder + "/")]
     if not names:
         return None
     return sorted(_join(folder, n) for n in names if SHARD_RE.match(n))

@@ -141,7 +141,7 @@ def _check_tools(a) -> int:
 
 def _cache_size(cfg, a):
     from dflash.cache_size import cache_plan
-    from dflash.io import human_bytes
+    from dflash.units import human_bytes
     from dflash.io import read_json
     from dflash.workflow import target_dir
 

@@ -11,7 +11,8 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from dflash.io import human_bytes, percent, read_json, write_json
+from dflash.io import read_json, write_json
+from dflash.units import human_bytes, percent
 from dflash.vocabulary import EXAMPLES_PER_REASON, LENGTH_BINS, TOOL_CATEGORY, length_stats
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import textwrap
 from pathlib import Path
 
 from dflash.charts import fmt
-from dflash.io import human_bytes, human_duration, percent
+from dflash.units import human_bytes, human_duration, percent
 from dflash.vocabulary import TOOL_CATEGORY
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from dflash.config import defaults
-from dflash.io import check_zstd, iter_jsonl, local_copy, open_safetensors, read_json
+from dflash.io import check_zstd, iter_jsonl, open_safetensors, read_json
+from dflash.storage import local_copy
 from dflash.vocabulary import CATEGORIES
 
 # What a record is whole from its head (a JSONL record is its own head).

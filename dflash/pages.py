@@ -16,7 +16,8 @@ from pathlib import Path
 
 from dflash.charts import bars_svg, fmt, histogram_svg, loss_svg
 from dflash.headline import gate_value, headline, loop_abort_saving
-from dflash.io import atomic_path, human_bytes, human_duration, percent, read_json
+from dflash.io import atomic_path, read_json
+from dflash.units import human_bytes, human_duration, percent
 from dflash.vocabulary import EXAMPLES_PER_REASON
 
 SUMMARY_PAGE, QA_PAGE = "summary.html", "qa.html"  # side by side in report/, linked by these names

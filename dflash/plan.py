@@ -9,7 +9,8 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from dflash.io import human_bytes, human_duration, read_json
+from dflash.io import read_json
+from dflash.units import human_bytes, human_duration
 
 Z95 = 1.96  # the ranges: 95% intervals of the pilot's sampling error
 # The story's completions: 7.25 GB of zstd JSONL for 1.64e9 output tokens (used without a pilot).
@@ -158,10 +159,6 @@ def _money(x: float | None) -> str:
     return "-" if x is None else f"${x:,.0f}"
 
 
-def _duration(hours: float) -> str:
-    return human_duration(hours * 3600)
-
-
 def plan_lines(plan: dict) -> list[str]:
     """The plan for a terminal: one line per node kind and count, then sizes, training, jobs."""
     if "error" in plan:
@@ -181,7 +178,8 @@ def plan_lines(plan: dict) -> list[str]:
                          f"pilot there (plan.pilot_profile: {kind})")
         for f in g["forecast"]:
             h0, h1 = f["hours_range"]
-            hours = _duration(f["hours"]) + (f" ({_duration(h0)} to {_duration(h1)})" if h1 > h0 else "")
+            hours = human_duration(f["hours"] * 3600) + (
+                f" ({human_duration(h0 * 3600)} to {human_duration(h1 * 3600)})" if h1 > h0 else "")
             cost = ("" if f["cost"] is None else f", {_money(f['cost'])}"
                     + (f" ({_money(f['cost_range'][0])} to {_money(f['cost_range'][1])})" if h1 > h0 else ""))
             lines.append(f"  {kind} x{f['nodes']} ({f['nodes'] * g['gpus_per_node']} GPUs, "
@@ -194,6 +192,6 @@ def plan_lines(plan: dict) -> list[str]:
                  + f" zstd (from {s['completions_from']}); hidden states: {s['hidden']}")
     t = plan["training"]
     lines.append(f"  training: {t}" if isinstance(t, str) else
-                 f"  training: {t['steps']:,} steps at {t['steps_per_s']:.3g} steps/s = {_duration(t['hours'])}")
+                 f"  training: {t['steps']:,} steps at {t['steps_per_s']:.3g} steps/s = {human_duration(t['hours'] * 3600)}")
     lines.append("  jobs: " + ", ".join(f"{rule} {n:,}" for rule, n in plan["jobs"].items()))
     return lines

@@ -37,8 +37,9 @@ import zstandard
 
 from dflash.chat import TokenScreen, rebuild_text, render, template_message, texts_of
 from dflash.dialects import detect_server
-from dflash.io import atomic_dir, dumps_line, iter_jsonl, jsonl_zst_writer, local_copy, shard_name, write_json
+from dflash.io import atomic_dir, dumps_line, iter_jsonl, jsonl_zst_writer, shard_name, write_json
 from dflash.records import record_problem
+from dflash.storage import local_copy
 from dflash.vocabulary import CATEGORIES, SPLITS
 from dflash.workflow import notice
 

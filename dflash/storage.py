@@ -5,12 +5,105 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
-from dflash.io import read_json, s3_missing, s3_problem, split_s3
+from dflash.io import read_json
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def local_copy(path: str | os.PathLike) -> Iterator[Path]:
+    """A local path for ``path``: itself, or for ``s3://bucket/key`` a temp copy (``s3_client``'s
+    endpoint and keys)."""
+    if not str(path).startswith("s3://"):
+        if not Path(path).exists():
+            raise FileNotFoundError(f"{path}: no such file")
+        yield Path(path)
+        return
+    bucket, key = split_s3(path)
+    with tempfile.TemporaryDirectory(prefix="dflash-s3-") as tmp:
+        local = Path(tmp) / Path(key).name
+        try:
+            s3_client().download_file(bucket, key, str(local))
+        except Exception as e:
+            problem = s3_problem(str(path), e)
+            if problem is None:
+                raise
+            raise (FileNotFoundError if "no such object" in problem else ValueError)(problem) from None
+        try:
+            yield local
+        except (ValueError, OSError) as e:
+            # The readers name the file they were given: here a temp copy, gone when this returns.
+            if str(local) not in str(e):
+                raise
+            raise ValueError(str(e).replace(str(local), str(path))) from e
+
+
+def split_s3(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/key/`` -> ``("bucket", "some/key")`` (no trailing slash)."""
+    bucket, _, key = str(url).removeprefix("s3://").rstrip("/").partition("/")
+    return bucket, key
+
+
+def s3_missing(error: BaseException) -> bool:
+    """Whether ``error`` says the object is not there (as opposed to a failure to ask)."""
+    from botocore.exceptions import ClientError
+
+    return isinstance(error, ClientError) and str(error.response.get("Error", {}).get("Code")) in ("404", "NoSuchKey")
+
+
+# The IAM permission each S3 call the pipeline makes needs (an access-denied line names it).
+S3_PERMISSION = {"ListObjectsV2": "s3:ListBucket", "HeadBucket": "s3:ListBucket", "HeadObject": "s3:GetObject",
+                 "GetObject": "s3:GetObject", "PutObject": "s3:PutObject", "CreateMultipartUpload": "s3:PutObject",
+                 "UploadPart": "s3:PutObject", "CompleteMultipartUpload": "s3:PutObject",
+                 "DeleteObject": "s3:DeleteObject"}
+
+
+def s3_problem(url: str, error: BaseException, endpoint: str | None = None) -> str | None:
+    """One line for an S3 failure: the URL, what went wrong and what to do; never the keys. None
+    when ``error`` is no S3 failure."""
+    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError, PartialCredentialsError
+
+    bucket = split_s3(url)[0]
+    if isinstance(error, (NoCredentialsError, PartialCredentialsError)):
+        return (f"{url}: no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE); "
+                f"for Snakemake's storage also SNAKEMAKE_STORAGE_S3_ACCESS_KEY and SNAKEMAKE_STORAGE_S3_SECRET_KEY")
+    if isinstance(error, EndpointConnectionError):
+        where = endpoint or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+        return (f"{url}: cannot reach the S3 endpoint {where}: check the address (AWS_ENDPOINT_URL, "
+                f"SNAKEMAKE_STORAGE_S3_ENDPOINT_URL) and that the server is up")
+    if not isinstance(error, ClientError):
+        return None
+    code = str(error.response.get("Error", {}).get("Code"))
+    if code in ("NoSuchBucket",) or (code == "404" and error.operation_name == "HeadBucket"):
+        return f"{url}: no bucket {bucket!r} at this endpoint: create it or fix the URL"
+    if s3_missing(error):
+        return f"{url}: no such object"
+    if code in ("403", "AccessDenied", "AllAccessDisabled"):
+        needed = S3_PERMISSION.get(error.operation_name)
+        return (f"{url}: access denied{f' to {error.operation_name}' if needed else ''}: these credentials need "
+                f"{needed or 's3:ListBucket, s3:GetObject, s3:PutObject and s3:DeleteObject'} on bucket {bucket!r}"
+                + (" (the pipeline needs s3:ListBucket, s3:GetObject, s3:PutObject and s3:DeleteObject)" if needed else ""))
+    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken"):
+        return f"{url}: the S3 endpoint rejected these credentials ({code}): check the access key, secret key and token"
+    return f"{url}: S3 error {code}: {error.response.get('Error', {}).get('Message', '')}"
+
+
+def list_objects(url: str, client=None) -> list[dict]:
+    """Every object whose key starts with what follows the bucket in ``url`` (``s3://bucket/a/b``
+    lists ``a/b/...`` and ``a/bc``; end it in ``/`` for a folder), as S3 lists them (``Key``,
+    ``Size``, ``ETag``), page after page; an S3 failure is a ValueError naming the URL."""
+    bucket, _, prefix = str(url).removeprefix("s3://").partition("/")
+    try:
+        pages = (client or s3_client()).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        return [o for page in pages for o in page.get("Contents", [])]
+    except Exception as e:
+        raise ValueError(s3_problem(url, e) or f"{url}: {type(e).__name__}: {e}") from None
 
 
 def fetch_from_storage(folder, names: list[str]) -> None:
@@ -97,9 +190,8 @@ def stored_json(folder: Path, prefix: str, suffix: str) -> list[dict] | None:
     from concurrent.futures import ThreadPoolExecutor
 
     client = s3_client()
-    bucket, key = split_s3(url)
-    keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key)
-            for o in page.get("Contents", []) if o["Key"].endswith(suffix)]
+    bucket = split_s3(url)[0]
+    keys = [o["Key"] for o in list_objects(url, client) if o["Key"].endswith(suffix)]
     with ThreadPoolExecutor(16) as pool:
         return list(pool.map(lambda k: json.loads(client.get_object(Bucket=bucket, Key=k)["Body"].read()), keys))
 
@@ -218,11 +310,7 @@ def safe_to_destroy(workdir: Path, output_dir: str, prefix: str | None, skip=(),
     if prefix:
         bucket, base = split_s3(prefix)
         key_root = f"{base}/{output_dir}" if base else output_dir
-        try:
-            for page in s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base):
-                stored.update({o["Key"]: o for o in page.get("Contents", [])})
-        except Exception as e:
-            raise ValueError(s3_problem(prefix, e) or f"{prefix}: {type(e).__name__}: {e}") from None
+        stored = {o["Key"]: o for o in list_objects(f"s3://{bucket}/{base}")}
         places = [(workdir / output_dir, key_root),
                   (workdir / ".snakemake" / "storage" / "s3" / bucket / key_root, key_root)]
     files = []
@@ -249,7 +337,7 @@ def safe_to_destroy(workdir: Path, output_dir: str, prefix: str | None, skip=(),
 def destroy_verdict(found: dict, where: str) -> tuple[list[str], str]:
     """What ``safe_to_destroy`` found, as lines to print (one per file or job at risk), and the
     verdict: "... safe to destroy" or "NOT safe to destroy: ..." with the fix."""
-    from dflash.io import human_bytes
+    from dflash.units import human_bytes
 
     lines = [f"only here: {path} ({human_bytes(size)}): {why}" for path, size, why in found["files"]]
     lines += [f"incomplete (a job running, or cut off): {path}" for path in found["incomplete"]]

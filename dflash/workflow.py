@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from dflash.io import read_json
+from dflash.units import clock, plural, rate_text
 
 
 def target_dir(config: dict) -> str:
@@ -184,7 +185,7 @@ def _console_bar():
                 self._said = self._time()
                 d = self.format_dict
                 rate = d["rate"] or self._average_rate()
-                eta = f", ETA {duration((self.total - self.n) / rate)}" if rate and self.total else ""
+                eta = f", ETA {clock((self.total - self.n) / rate)}" if rate and self.total else ""
                 self._say(f"{self._done()}, {rate_text(rate, self.unit)}{eta}" if rate else self._done())
             return shown
 
@@ -192,7 +193,7 @@ def _console_bar():
             if self._console is not None and not self.disable:
                 ended = "done in" if not self.total or self.n >= self.total else "stopped after"
                 rate = self._average_rate()
-                self._say(f"{self._done()} {ended} {duration(self.format_dict['elapsed'])}"
+                self._say(f"{self._done()} {ended} {clock(self.format_dict['elapsed'])}"
                           + (f", {rate_text(rate, self.unit)}" if rate else ""))
                 self._console = None
             super().close()
@@ -213,27 +214,6 @@ def _console_bar():
                   flush=True)
 
     return ConsoleBar
-
-
-def plural(unit: str) -> str:
-    return unit if unit == "it" or unit.endswith("s") else unit + "s"
-
-
-def rate_text(per_second: float, unit: str) -> str:
-    """3.1 steps/s, or 12.5 s/step when slower than one a second."""
-    if per_second >= 1:
-        return f"{per_second:,.{0 if per_second >= 100 else 1}f} {plural(unit)}/s"
-    return f"{1 / per_second:,.1f} s/{unit}"
-
-
-def duration(seconds: float) -> str:
-    """42s, 15m02s, 2h05m."""
-    s = round(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def drafter_train_cfg(config: dict, target: str | Path) -> dict:
