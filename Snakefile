@@ -10,8 +10,10 @@ from snakemake.utils import min_version, validate
 from dflash.config import ConfigError, check_config, demo_sized_problem, read_yaml, schema_path
 from dflash.dialects import DIALECTS
 from dflash.pilot import toggle_problem
-from dflash.workflow import (HIDDEN_FORMAT, demo_target_sources, layer_selection, prompt_check_settings,
-                             record_settings, shard_ids, target_dir)
+from dflash.hidden_cache import HIDDEN_FORMAT, layer_selection
+from dflash.prompts import prompt_check_settings
+from dflash.resume import record_settings
+from dflash.workflow import demo_target_sources, shard_ids, target_dir
 
 min_version("9.0")
 

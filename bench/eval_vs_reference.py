@@ -61,10 +61,11 @@ from dflash.config import load_config
 from dflash.drafter import TargetIO, load_drafter
 from dflash.eval import encode_prompts, load_target, speculative_generate
 from dflash.hidden import capture_shard
+from dflash.hidden_cache import HIDDEN_FORMAT, layer_selection
 from dflash.io import read_jsonl
 from dflash.target import build_target
 from dflash.train import train
-from dflash.workflow import HIDDEN_FORMAT, demo_target_sources, drafter_train_cfg, layer_selection
+from dflash.workflow import demo_target_sources, drafter_train_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 

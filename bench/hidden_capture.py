@@ -62,11 +62,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash.cache_size import GREEDY_BYTES, cache_bytes, resolve_layer_ids
 from dflash.config import load_config
 from dflash.hidden import DTYPES, capture_shard
+from dflash.hidden_cache import GREEDY_BYTES, HIDDEN_FORMAT, cache_bytes, layer_selection, resolve_layer_ids
 from dflash.units import human_bytes
-from dflash.workflow import HIDDEN_FORMAT, layer_selection
 
 ROOT = Path(__file__).resolve().parents[1]
 # Qwen3.6-27B's text config (README: 64 layers, hidden 5120); the real model is not on this machine.

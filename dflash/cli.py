@@ -16,12 +16,12 @@ from dflash.config import ConfigError, defaults, load_config
 from dflash.dialects import LOGGING_SERVERS
 from dflash.errors import debug_requested, describe
 from dflash.vocabulary import CATEGORIES, TOOL_CATEGORY
-from dflash.workflow import demo_target_sources, drafter_train_cfg, layer_selection, set_threads, setup_logging
+from dflash.workflow import demo_target_sources, drafter_train_cfg, set_threads, setup_logging
 
 
 def _prompts(cfg, a):
-    from dflash.prompts import build_prompts, prompt_checks
-    from dflash.workflow import prompt_check_settings, target_dir
+    from dflash.prompts import build_prompts, prompt_check_settings, prompt_checks
+    from dflash.workflow import target_dir
 
     target = a.target or target_dir(cfg)
     if not Path(target).is_dir():
@@ -63,6 +63,7 @@ def _tokenize(cfg, a):
 
 def _hidden(cfg, a):
     from dflash.hidden import capture_shard
+    from dflash.hidden_cache import layer_selection
 
     capture_shard(a.tokenized, a.out, a.target, layer_selection(cfg["drafter"]), cfg["hidden"]["dtype"],
                   fast_kernels=cfg["target"]["fast_kernels"])
@@ -140,7 +141,7 @@ def _check_tools(a) -> int:
 
 
 def _cache_size(cfg, a):
-    from dflash.cache_size import cache_plan
+    from dflash.hidden_cache import cache_plan
     from dflash.units import human_bytes
     from dflash.io import read_json
     from dflash.workflow import target_dir

@@ -33,7 +33,7 @@ from transformers import PretrainedConfig, Qwen3Config
 from transformers.activations import ACT2FN
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from dflash.cache_size import build_target_layer_ids
+from dflash.hidden_cache import build_target_layer_ids
 from dflash.io import atomic_dir, atomic_path, load_safetensors, open_safetensors, read_json
 
 LAYER_TYPES = ("full_attention", "sliding_attention")

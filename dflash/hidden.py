@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.cache_size import resolve_layer_ids
+from dflash.hidden_cache import HIDDEN_FORMAT, resolve_layer_ids
 from dflash.io import read_json
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ def capture_shard(tokenized_path: Path, out_path: Path, target_dir: Path, layers
 
     from dflash.io import atomic_path, load_safetensors
     from dflash.models import check_fast_kernels, load_target, pick_device
-    from dflash.workflow import HIDDEN_FORMAT, progress
+    from dflash.workflow import progress
 
     rows = load_safetensors(tokenized_path, ("input_ids", "offsets"), "a tokenized shard")
     input_ids, offsets = rows["input_ids"], rows["offsets"]

@@ -124,7 +124,7 @@ def forecast(config: dict, counts: dict, pilot: dict | None = None, output_token
         else:
             row_tokens = tokens  # prompt tokens unknown: at least the output tokens
         if target and Path(target).exists():  # its folder or its config.json
-            from dflash.cache_size import cache_plan
+            from dflash.hidden_cache import cache_plan
 
             sizes["hidden"] = cache_plan(config, target, int(row_tokens))["text"]
         else:  # a hub name: nothing is downloaded to plan

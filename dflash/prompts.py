@@ -405,9 +405,16 @@ class PromptChecks:
         return kept
 
 
+def prompt_check_settings(config: dict) -> dict:
+    """What decides which prompts the prompts stage drops or flags (its rule's params)."""
+    generate = config["generate"]
+    return {"context_length": generate["context_length"], "max_tokens": generate["sampling"]["max_tokens"],
+            "enable_thinking": generate["enable_thinking"], "special_tokens": config["prompts"]["special_tokens"]}
+
+
 def prompt_checks(target_dir: str | Path, settings: dict) -> PromptChecks:
     """``PromptChecks`` for the target folder's tokenizer and template; ``settings`` is
-    ``workflow.prompt_check_settings`` of the config. An unset context length is the model's
+    ``prompt_check_settings`` of the config. An unset context length is the model's
     ``max_position_embeddings``."""
     from transformers import AutoConfig, AutoTokenizer
 

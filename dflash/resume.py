@@ -20,12 +20,19 @@ from dflash.workflow import notice
 log = logging.getLogger(__name__)
 
 
+def record_settings(cfg: dict) -> dict:
+    """The ``generate`` settings that shape the records (the generate rule's params, so a change
+    re-runs the shards); the others say where the server runs and how hard to push it (url,
+    launch, concurrency, timeouts, retries, key, error budget)."""
+    server = cfg.get("server") or {}  # (a section as the package's callers pass it: what they set)
+    return {"backend": cfg["backend"], "enable_thinking": cfg.get("enable_thinking"), "sampling": cfg.get("sampling"),
+            **({k: server.get(k) for k in ("dialect", "model", "extra_body")} if cfg["backend"] == "openai" else {})}
+
+
 def settings_digest(cfg: dict, target_dir: str | Path) -> str:
     """What decides a shard's records, as one short digest each record carries: the settings that
-    shape them (``workflow.record_settings``) and the model that writes them. A resumed shard keeps
+    shape them (``record_settings``) and the model that writes them. A resumed shard keeps
     only records of the same digest, so a re-run with another model or sampling never mixes the two."""
-    from dflash.workflow import record_settings
-
     model = ((cfg.get("server") or {}).get("model") or str(target_dir)) if cfg["backend"] == "openai" \
         else os.path.abspath(target_dir)
     blob = json.dumps({"records": record_settings(cfg), "model": model}, sort_keys=True, default=str)

@@ -121,19 +121,6 @@ def set_threads(n: int) -> None:
     os.environ.setdefault("RAYON_NUM_THREADS", str(n))
 
 
-# What a hidden-state shard holds (features, and since v2 the target's greedy token per token). The
-# hidden rule's params carry it, so a cache of an older format is made again.
-HIDDEN_FORMAT = "dflash-hidden-v2"
-
-
-def layer_selection(drafter_cfg: dict) -> dict:
-    """What decides the captured target layers, and nothing else: a rule param that changes
-    only when the hidden-state cache really has to be rebuilt."""
-    if drafter_cfg["target_layer_ids"]:
-        return {"target_layer_ids": list(drafter_cfg["target_layer_ids"])}
-    return {"target_layer_ids": None, "num_layers": drafter_cfg["num_layers"]}
-
-
 def progress(iterable=None, **kwargs):
     """tqdm that stays readable in a log file: in a file it redraws every 15 s, not every step.
     In a rule's job it also prints a plain line on the console (Snakemake shows the log only when
@@ -231,19 +218,3 @@ def drafter_train_cfg(config: dict, target: str | Path) -> dict:
         drafter["mask_token_id"] = mask_id
     train = {k: v for k, v in config["train"].items() if k != "gpus"}  # how many processes: the launcher's business
     return {**drafter, **train}
-
-
-def prompt_check_settings(config: dict) -> dict:
-    """What decides which prompts the prompts stage drops or flags (its rule's params)."""
-    generate = config["generate"]
-    return {"context_length": generate["context_length"], "max_tokens": generate["sampling"]["max_tokens"],
-            "enable_thinking": generate["enable_thinking"], "special_tokens": config["prompts"]["special_tokens"]}
-
-
-def record_settings(cfg: dict) -> dict:
-    """The ``generate`` settings that shape the records (the generate rule's params, so a change
-    re-runs the shards); the others say where the server runs and how hard to push it (url,
-    launch, concurrency, timeouts, retries, key, error budget)."""
-    server = cfg.get("server") or {}  # (a section as the package's callers pass it: what they set)
-    return {"backend": cfg["backend"], "enable_thinking": cfg.get("enable_thinking"), "sampling": cfg.get("sampling"),
-            **({k: server.get(k) for k in ("dialect", "model", "extra_body")} if cfg["backend"] == "openai" else {})}

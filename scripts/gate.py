@@ -5,7 +5,7 @@ from dflash.workflow import start_job
 start_job(snakemake)
 
 from dflash.gates import GateError, run_gates  # noqa: E402
-from dflash.cache_size import cache_plan  # noqa: E402
+from dflash.hidden_cache import cache_plan  # noqa: E402
 from dflash.io import read_json  # noqa: E402
 
 cache = None

@@ -5,7 +5,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from dflash.cache_size import cache_bytes
+from dflash.hidden_cache import cache_bytes
 from dflash.hidden import cached_features, capture_shard, forward_features
 from dflash.io import write_jsonl_zst
 from dflash.tokenize import tokenize_shard

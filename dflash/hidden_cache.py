@@ -1,6 +1,7 @@
-"""The size of a hidden-state cache, from the target's config.json alone: for the gate, the plan
-and ``dflash cache-size``, jobs and commands that would otherwise import torch and transformers
-(seconds each) to read two numbers."""
+"""The hidden-state cache without torch: which target layers it holds, the format of its shards
+and its size, from the config and the target's config.json alone. The Snakefile (the hidden
+rule's params), the gate, the plan and ``dflash cache-size`` read it; importing torch and
+transformers would cost each of them seconds to read a few numbers."""
 from __future__ import annotations
 
 import json
@@ -8,8 +9,19 @@ from pathlib import Path
 
 from dflash.units import human_bytes
 
+# What a hidden-state shard holds (features, and since v2 the target's greedy token per token). The
+# hidden rule's params carry it, so a cache of an older format is made again.
+HIDDEN_FORMAT = "dflash-hidden-v2"
 GREEDY_BYTES = 4  # one int32 per token: the target's greedy next token (target_argmax)
 VALUE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+
+def layer_selection(drafter_cfg: dict) -> dict:
+    """What decides the captured target layers, and nothing else: a rule param that changes
+    only when the hidden-state cache really has to be rebuilt."""
+    if drafter_cfg["target_layer_ids"]:
+        return {"target_layer_ids": list(drafter_cfg["target_layer_ids"])}
+    return {"target_layer_ids": None, "num_layers": drafter_cfg["num_layers"]}
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -63,7 +75,6 @@ def text_config(target: str | Path) -> dict:
 
 def cache_plan(config: dict, target_dir: str | Path, tokens: int) -> dict:
     """The hidden-state cache a run would write: tokens, layers, hidden size, dtype, bytes."""
-    from dflash.workflow import layer_selection
 
     text = text_config(target_dir)
     layers = len(resolve_layer_ids(layer_selection(config["drafter"]), text["num_hidden_layers"]))
