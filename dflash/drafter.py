@@ -34,7 +34,7 @@ from transformers.activations import ACT2FN
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from dflash.hidden_cache import build_target_layer_ids
-from dflash.io import atomic_dir, atomic_path, load_safetensors, open_safetensors, read_json
+from dflash.io import atomic_path, load_safetensors, open_safetensors, read_json
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 WEIGHTS_NAME = "model.safetensors"
@@ -416,12 +416,6 @@ def write_drafter_state(state: dict, config: Qwen3Config, directory: Path) -> No
     config.save_pretrained(directory)
     with atomic_path(Path(directory) / WEIGHTS_NAME) as tmp:  # for its mode: save_file's own is 0600
         save_file(state, tmp, metadata={"format": "pt"})
-
-
-def save_drafter(model: DFlashDraftModel, config: Qwen3Config, out_dir: Path) -> None:
-    """Write the checkpoint under a temporary name and rename it into place when complete."""
-    with atomic_dir(out_dir, "checkpoint") as tmp:
-        write_drafter(model, config, tmp)
 
 
 def load_drafter(directory: Path) -> tuple[DFlashDraftModel, Qwen3Config]:

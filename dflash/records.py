@@ -3,8 +3,7 @@
 Every stage reads its input records through ``checked_records``: a record of the wrong kind or
 shape (a prompts shard given to tokenize, a completion without ``text``) is one line naming the
 file, the line and the id as it is read, never a ``KeyError`` deep inside a stage. The check runs
-compiled (fastjsonschema, a few microseconds a record, less than parsing the line);
-``record_errors`` lists every violation, for tests and ``dflash inspect``.
+compiled (fastjsonschema, a few microseconds a record, less than parsing the line).
 """
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from typing import Callable, Iterator
 
 import fastjsonschema
 import yaml
-from jsonschema import Draft202012Validator
 
 from dflash.io import iter_jsonl_lines
 
@@ -26,17 +24,6 @@ KINDS = {"prompt": "prompt.schema.yaml", "completion": "completion.schema.yaml"}
 @cache
 def schema(kind: str) -> dict:
     return yaml.safe_load(resources.files("dflash").joinpath(f"schemas/{KINDS[kind]}").read_text(encoding="utf-8"))
-
-
-@cache
-def validator(kind: str) -> Draft202012Validator:
-    return Draft202012Validator(schema(kind))
-
-
-def record_errors(kind: str, record: dict) -> list[str]:
-    """Human-readable schema violations of one record (empty when it conforms)."""
-    return [f"{'.'.join(map(str, e.absolute_path)) or 'record'}: {e.message}"
-            for e in validator(kind).iter_errors(record)]
 
 
 @cache

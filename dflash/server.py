@@ -141,21 +141,6 @@ class ServerProcess:
         self.stop()
 
 
-def vllm_cpu_command(python: str, model: Path, port: int, served_name: str = "tiny",
-                     host: str = "127.0.0.1") -> tuple[list[str], dict]:
-    """vLLM's CPU build serving a small model (reference/cpu-inference-server.md): eager mode;
-    tools need a tool parser or vLLM refuses the request. The engine and its worker run in the API
-    server's process (no engine-core process, the "uni" executor): one Python start instead of
-    three, about 20 s to ready instead of 30 on 2 cores."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
-           served_name, "--host", host, "--port", str(port), "--dtype", "float32", "--max-model-len", "4096",
-           "--enforce-eager", "--distributed-executor-backend", "uni", "--enable-auto-tool-choice",
-           "--tool-call-parser", "qwen3_coder"]
-    return cmd, env
-
-
 class StopRequested(Exception):
     pass
 

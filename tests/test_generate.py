@@ -9,7 +9,7 @@ from dflash.replay import sample_seed
 from dflash.resume import partial_path
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source
-from dflash.records import record_errors
+from tests.helpers import record_errors
 
 DESIGN_FIELDS = {"id", "prompt_id", "source", "category", "messages", "tools", "text", "reasoning", "content",
                  "finish_reason", "prompt_token_ids", "output_token_ids", "usage", "generation", "error"}

@@ -17,7 +17,7 @@ from dflash.replay import generate_conversation
 from dflash.resume import partial_path
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source
-from dflash.records import record_errors
+from tests.helpers import record_errors
 
 CFG = {"backend": "transformers", "enable_thinking": True, "max_error_fraction": 0.0,
        "sampling": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 200, "seed": 0}}

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
-from dflash.records import record_errors
+from tests.helpers import record_errors
 from tests.conftest import ROOT, small_run_config
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ from jsonschema import Draft202012Validator
 import dflash.prompts
 from dflash.io import OUTPUT_MARK, iter_jsonl, read_json, read_jsonl, write_jsonl_zst
 from dflash.prompts import build_prompts, read_source, stratified_order
-from dflash.records import record_errors
+from tests.helpers import record_errors
 
 
 @pytest.fixture(scope="module")

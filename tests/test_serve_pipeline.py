@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from dflash.io import read_jsonl
-from dflash.server import vllm_cpu_command
+from tests.helpers import vllm_cpu_command
 from tests.conftest import ROOT, demo_slice
 from tests.test_pipeline import snakemake
 from tests.test_serve import gone, listening

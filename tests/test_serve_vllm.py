@@ -23,7 +23,7 @@ from dflash.decode import sample_batch
 from dflash.eval import encode_prompts, evaluate, run_eval
 from dflash.io import read_json, write_jsonl_zst
 from dflash.prompts import read_source
-from dflash.server import vllm_cpu_command
+from tests.helpers import vllm_cpu_command
 from dflash.train import train
 from dflash.workflow import drafter_train_cfg
 from tests.test_train import write_shards
