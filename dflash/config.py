@@ -88,6 +88,11 @@ def _allowed_keys(schema: dict, path: list) -> list[str]:
     return sorted(node.get("properties", {}))
 
 
+# Keys renamed since a release, by their path: the error names the new one.
+RENAMED = {"generate.save_every": "generate.mirror_every (its records and seconds unchanged: only train.save_every "
+                                  "counts steps)"}
+
+
 def _describe(error, schema: dict, source: str) -> str:
     where = ".".join(str(p) for p in error.absolute_path) or "top level"
     if list(error.absolute_path)[:4] == ["generate", "server", "launch", "env"] and len(error.absolute_path) > 4:
@@ -98,7 +103,10 @@ def _describe(error, schema: dict, source: str) -> str:
         hints = []
         for key in unknown:
             close = difflib.get_close_matches(key, allowed, n=1)
-            hints.append(f"unknown key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+            if (renamed := RENAMED.get(f"{where}.{key}")):
+                hints.append(f"'{key}' is now {renamed}")
+            else:
+                hints.append(f"unknown key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
         return f"{source}: at {where}: {'; '.join(hints)}. Allowed keys: {', '.join(allowed)}"
     return f"{source}: at {where}: {error.message}"
 

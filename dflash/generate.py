@@ -67,8 +67,7 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
                          f"every prompt id must be unique: re-run the prompts rule")
     partial = partial_path(out_path)
     partial.parent.mkdir(parents=True, exist_ok=True)  # as every stage does: the lock and resume files go there first
-    save = cfg["save_every"]
-    mirror = PartialMirror(partial, save["records"], save["seconds"])
+    mirror = PartialMirror(partial, cfg["mirror_every"]["records"], cfg["mirror_every"]["seconds"])
     with shard_lock(out_path):
         keep_finished_output(Path(out_path), partial)
         mirror.fetch()  # a run on another machine that the node it ran on did not outlive

@@ -85,6 +85,14 @@ def test_misspelled_key_names_key_file_and_suggestion(tmp_path):
     assert "at generate" in msg
 
 
+def test_a_renamed_key_names_its_new_name():
+    cfg = {"prompts": {"sources": [{"name": "a", "path": "a.jsonl"}]}, "generate": {"save_every": {"records": 5}}}
+    with pytest.raises(ConfigError, match=r"x\.yaml: at generate: 'save_every' is now generate\.mirror_every"):
+        check_config(cfg, source="x.yaml")
+    assert check_config({**cfg, "generate": {"mirror_every": {"records": 5}}})["generate"]["mirror_every"] == \
+        {"records": 5, "seconds": 300}
+
+
 def test_wrong_type_names_the_key_path():
     cfg = {"prompts": {"sources": [{"name": "a", "path": "a.jsonl"}], "shard_size": "fifty"}}
     with pytest.raises(ConfigError, match=r"x\.yaml: at prompts\.shard_size: 'fifty' is not of type 'integer'"):

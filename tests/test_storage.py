@@ -143,7 +143,7 @@ def test_generation_survives_the_node(s3, server, target_dir, demo_sources, tmp_
 
     url, server_log = server
     # sampled hot: the briefly taught target seldom stops early, so the job outlasts the first pushes
-    settings = dict(backend="openai", max_error_fraction=0.0, save_every={"records": 2, "seconds": 3600},
+    settings = dict(backend="openai", max_error_fraction=0.0, mirror_every={"records": 2, "seconds": 3600},
                     sampling={"temperature": 1.5, "top_p": 1.0, "top_k": 0, "max_tokens": 64, "seed": 0},
                     server={"url": url, "dialect": "openai", "concurrency": 1, "retries": 0, "timeout_s": 120})
     shard = "results/completions/shard-00000.jsonl.zst"
