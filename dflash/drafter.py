@@ -27,14 +27,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import nn
 from transformers import PretrainedConfig, Qwen3Config
 from transformers.activations import ACT2FN
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from dflash.hidden_cache import build_target_layer_ids
-from dflash.io import atomic_path, load_safetensors, open_safetensors, read_json
+from dflash.io import atomic_path, load_safetensors, open_safetensors, read_json, save_safetensors
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 WEIGHTS_NAME = "model.safetensors"
@@ -415,7 +414,7 @@ def write_drafter_state(state: dict, config: Qwen3Config, directory: Path) -> No
     config.dtype = next(iter(state.values())).dtype
     config.save_pretrained(directory)
     with atomic_path(Path(directory) / WEIGHTS_NAME) as tmp:  # for its mode: save_file's own is 0600
-        save_file(state, tmp, metadata={"format": "pt"})
+        save_safetensors(state, tmp, {"format": "pt"})
 
 
 def load_drafter(directory: Path) -> tuple[DFlashDraftModel, Qwen3Config]:

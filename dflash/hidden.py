@@ -141,10 +141,9 @@ def capture_shard(tokenized_path: Path, out_path: Path, target_dir: Path, layers
     the tokenized shard's flat ``input_ids`` (which are stored again, with ``offsets``, so a cache
     can be checked against its rows). On CUDA the target runs in bfloat16.
     """
-    from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    from dflash.io import atomic_path, load_safetensors
+    from dflash.io import atomic_path, load_safetensors, save_safetensors
     from dflash.models import check_fast_kernels, load_target, pick_device
     from dflash.workflow import progress
 
@@ -173,7 +172,7 @@ def capture_shard(tokenized_path: Path, out_path: Path, target_dir: Path, layers
     tensors = {"hidden_states": out, "target_argmax": greedy, "input_ids": input_ids, "offsets": offsets,
                **({"scales": scales} if fp8 else {})}
     with atomic_path(out_path) as tmp:
-        save_file(tensors, str(tmp), metadata=metadata)
+        save_safetensors(tensors, tmp, metadata)
     summary = {"rows": len(offsets) - 1, "tokens": len(input_ids), "layers": list(layer_ids),
                "bytes": sum(t.numel() * t.element_size() for k, t in tensors.items()
                             if k in ("hidden_states", "scales", "target_argmax")),

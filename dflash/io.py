@@ -454,6 +454,26 @@ def load_safetensors(path: str | os.PathLike, needs: Iterable[str] = (), what: s
         return {name: f.get_tensor(name) for name in f.keys()}
 
 
+def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict[str, str]) -> None:
+    """``safetensors``' ``save_file``, its metadata then put in sorted key order: safetensors writes
+    that map in hash order, another in each process, so the same tensors made different bytes run to
+    run. The header is rewritten in place (its length kept, padded with spaces as the format
+    allows), never the tensors."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    if len(metadata) < 2:
+        return
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        if len(text) <= size:  # it always is: the same keys and values, compact as safetensors writes them
+            f.seek(8)
+            f.write(text.ljust(size))
+
+
 def json_text(obj) -> str:
     """A JSON document as every stage writes one (summaries, indexes, QA reports)."""
     return json.dumps(obj, indent=2, ensure_ascii=False) + "\n"

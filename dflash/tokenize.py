@@ -32,10 +32,9 @@ from typing import Iterator
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from dflash.chat import output_body, render_conversation, render_prompt, stop_token_ids
-from dflash.io import atomic_files, json_text, naming_full_disk
+from dflash.io import atomic_files, json_text, naming_full_disk, save_safetensors
 from dflash.records import checked_records
 from dflash.workflow import progress
 
@@ -273,7 +272,7 @@ def tokenize_shard(validated_path: Path, out_tensors: Path, out_index: Path, tok
     # rows without their index (or the reverse) must never look like a finished shard
     with atomic_files(out_tensors, out_index) as (tensors_tmp, index_tmp):
         with naming_full_disk(out_tensors):
-            save_file(tensors, str(tensors_tmp), metadata={"format": "dflash-tokenized-v1"})
+            save_safetensors(tensors, tensors_tmp, {"format": "dflash-tokenized-v1"})
         with naming_full_disk(out_index):
             index_tmp.write_text(json_text({"rows": rows, "stats": stats}), encoding="utf-8")
     log.info("tokenize %s: %s", Path(validated_path).name, {k: v for k, v in stats.items() if k != "trainable_by_category"})
