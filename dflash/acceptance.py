@@ -19,7 +19,7 @@ import logging
 from itertools import zip_longest
 from pathlib import Path
 
-from dflash.config import defaults
+from dflash.config import completed, defaults
 
 ENGINES = ("transformers", "vllm")
 
@@ -42,11 +42,12 @@ def summarize(samples: list[dict]) -> dict:
 
 def settings(cfg: dict) -> dict:
     """``cfg`` checked and completed with the defaults."""
-    known = {**defaults("eval"), "fast_kernels": defaults("target")["fast_kernels"]}
-    unknown = sorted(set(cfg) - set(known))
+    unknown = sorted(set(cfg) - {*defaults("eval"), "fast_kernels"})
     if unknown:
         raise ValueError(f"unknown eval settings: {unknown}")
-    cfg = {**known, **cfg, "vllm": {**known["vllm"], **(cfg.get("vllm") or {})}}
+    cfg = completed({"fast_kernels": defaults("target")["fast_kernels"], **cfg}, "eval")
+    # the target's fast_kernels after device and seed, where eval JSONs have always listed it
+    cfg = {k: cfg[k] for k in (*list(cfg)[:4], "fast_kernels")} | cfg
     if cfg["max_new_tokens"] < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {cfg['max_new_tokens']}")
     if cfg["engine"] not in ENGINES:
