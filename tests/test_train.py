@@ -17,8 +17,8 @@ from dflash.drafter import TargetIO, load_drafter
 from dflash.hidden import features_and_greedy
 from dflash.io import OUTPUT_MARK
 from dflash.objective import HeadCE
-from dflash.train import (Batch, Row, add_feature_noise, anchor_candidates, draft_loss, lr_at, make_batch,
-                          make_optimizer, resolve_cfg, sample_anchors, train)
+from dflash.batches import Batch, Row, add_feature_noise, anchor_candidates, make_batch, sample_anchors
+from dflash.train import draft_loss, lr_at, make_optimizer, resolve_cfg, train
 from tests.test_drafter import reference  # noqa: F401 (fixture)
 
 
