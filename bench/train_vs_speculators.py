@@ -91,7 +91,8 @@ def ours(rows_per_step: int) -> None:
 
     from dflash.batches import Row, make_batch, sample_anchors
     from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config
-    from dflash.train import draft_loss, make_optimizer, trainer_defaults
+    from dflash.optim import make_optimizer
+    from dflash.train import draft_loss, trainer_defaults
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
