@@ -24,7 +24,6 @@ Output directory (written under a temporary name, renamed when complete):
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -39,14 +38,16 @@ import torch
 from transformers import AutoConfig, Qwen3Config
 
 from dflash.batches import Batch, RowOrder, ShardData, add_feature_noise, make_batch, prefetched, sample_anchors
-from dflash.objective import LABELS, WEIGHTS, block_loss, supervision
-from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config, write_drafter_state
-from dflash.serving import serving_problems
 from dflash.config import defaults
+from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config, write_drafter_state
 from dflash.errors import RANK_ERRORS, first_rank_error, rank_error_recorded
-from dflash.io import atomic_dir, atomic_path, replace_problem
+from dflash.io import atomic_dir, replace_problem
 from dflash.models import check_fast_kernels, pick_device
+from dflash.objective import LABELS, WEIGHTS, block_loss, supervision
 from dflash.optim import OPTIMIZERS, lr_at, make_optimizer
+from dflash.parallel import Distributed
+from dflash.serving import serving_problems
+from dflash.train_resume import newest_resume_point, resume_dir, run_fingerprint, save_resume_point
 from dflash.workflow import CONSOLE_FD, drafter_train_cfg, job_console, progress
 
 ARCH_KEYS = ("num_layers", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "block_size",
@@ -111,128 +112,6 @@ def draft_loss(model: torch.nn.Module, io: TargetIO, batch: Batch, B: int, loss:
     arguments these are). ``model`` may be wrapped (DDP, FSDP); ``B`` is its block size."""
     hidden = model(io.embed(batch.block_ids), batch.block_pos, batch.context, batch.context_pos, batch.context_valid)
     return block_loss(hidden, io.head_weight, batch.labels, batch.supervised, B, loss, supervised, world, chunk_tokens)
-
-
-# ---------------------------------------------------------------------------------------------
-# Training loop
-# ---------------------------------------------------------------------------------------------
-
-def resume_dir(out_dir: Path) -> Path:
-    """Where resume points live: beside the checkpoint, never inside it (a failed job's output is
-    deleted by Snakemake; this folder survives for the re-run)."""
-    return out_dir.parent / f".{out_dir.name}.resume"
-
-
-def run_fingerprint(cfg: dict, tokenized: list[Path], target_dir: Path) -> str:
-    """What a resume point must match: the settings that shape the weights and the data (not
-    where or how fast: a run that ran out of memory may resume with a smaller loss chunk)."""
-    how = ("device", "save_every", "parallel", "prefetch", "loss_chunk_tokens", "fast_kernels")
-    # a setting at what the trainer did before it existed (AdamW, no feature noise) leaves the
-    # fingerprint as it was then, so a run's resume points stay good across that upgrade
-    before = (("optimizer", "adamw"), ("feature_noise", 0.0))
-    shaping = {k: v for k, v in cfg.items() if k not in how and (k, v) not in before}
-    h = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode())
-    h.update(Path(target_dir).name.encode())
-    # the target's weights as this machine holds them (resume points never leave it): a target
-    # rebuilt or replaced in the same folder gives other features, and must not continue a run
-    for weights in sorted(Path(target_dir).glob("*.safetensors")) + sorted(Path(target_dir).glob("*.bin")):
-        info = weights.stat()
-        h.update(f"{weights.name} {info.st_size} {info.st_mtime_ns}".encode())
-    for path in tokenized:
-        h.update(Path(path).with_suffix(".json").read_bytes())
-    return h.hexdigest()
-
-
-def newest_resume_point(directory: Path, fingerprint: str, log: logging.Logger) -> dict | None:
-    for path in sorted(directory.glob("step-*.pt"), reverse=True):
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=False)  # written by us, below
-        except Exception as e:  # a torn file cannot be: it is renamed into place when complete
-            log.warning("%s: unreadable (%s), trying an older one", path, e)
-            continue
-        if state["fingerprint"] != fingerprint:
-            log.warning("%s: from other settings or data, starting from step 0", path)
-            return None
-        log.info("resuming from %s (step %d)", path, state["step"])
-        return state
-    return None
-
-
-def save_resume_point(directory: Path, state: dict, keep: int = 2) -> None:
-    with atomic_path(directory / f"step-{state['step']:08d}.pt") as tmp:
-        torch.save(state, tmp)
-    for old in sorted(directory.glob("step-*.pt"))[:-keep]:
-        old.unlink()
-
-
-class Distributed:
-    """torchrun's process group when WORLD_SIZE > 1 (DDP, or FSDP for drafters too big to
-    replicate); a no-op otherwise. Every rank draws the same rows and anchors from the same
-    generator and trains on its own slice, so rank 0's resume point serves every rank."""
-
-    def __init__(self, device: torch.device):
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.device = device
-        if self.world > 1:
-            import torch.distributed as dist
-
-            if device.type == "cuda":
-                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-                torch.cuda.set_device(self.device)
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-
-    def wrap(self, model: torch.nn.Module, parallel: str) -> torch.nn.Module:
-        if self.world == 1:
-            return model
-        if parallel == "fsdp":
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in model.layers:
-                fully_shard(layer)
-            return fully_shard(model)
-        from torch.nn.parallel import DistributedDataParallel
-
-        return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-
-    def full_state(self, model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
-        """Model and optimizer state as one process would hold them (gathered under FSDP)."""
-        if self.world == 1:
-            return model.state_dict(), optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        return get_state_dict(model, optimizer.optimizers,
-                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-    def load_full_state(self, model: torch.nn.Module, optimizer, model_state: dict, optim_state: dict) -> None:
-        if self.world == 1:
-            model.load_state_dict(model_state)
-            optimizer.load_state_dict(optim_state)
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        set_state_dict(model, optimizer.optimizers, model_state_dict=model_state, optim_state_dict=optim_state,
-                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
-
-    def sum(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            for t in tensors:
-                dist.all_reduce(t)
-        return list(tensors)
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-
-    def close(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
 
 
 def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, out_dir: Path, cfg: dict,
