@@ -20,10 +20,13 @@ Output directory (written under a temporary name, renamed when complete):
 ``position_weight[k-1]`` the mean loss weight there;
 ``tokens_per_s`` counts supervised block positions),
 ``trainer_state.json`` (``steps, first_loss, final_loss, seconds, cfg, data``).
+
+Here the run: set-up, the step loop, the log, the checkpoint. The batches come from
+``dflash.batches``, the optimizers from ``dflash.optim``, resume points from ``dflash.train_resume``,
+the processes from ``dflash.parallel``.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -31,11 +34,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack, closing, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, closing, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, Qwen3Config
+from transformers import AutoConfig, PretrainedConfig, Qwen3Config
 
 from dflash.batches import Batch, RowOrder, ShardData, add_feature_noise, make_batch, prefetched, sample_anchors
 from dflash.config import defaults
@@ -44,10 +49,11 @@ from dflash.errors import RANK_ERRORS, first_rank_error, rank_error_recorded
 from dflash.io import atomic_dir, replace_problem
 from dflash.models import check_fast_kernels, pick_device
 from dflash.objective import LABELS, WEIGHTS, block_loss, supervision
-from dflash.optim import OPTIMIZERS, lr_at, make_optimizer
+from dflash.optim import OPTIMIZERS, Optimizers, lr_at, make_optimizer
 from dflash.parallel import Distributed
 from dflash.serving import serving_problems
-from dflash.train_resume import newest_resume_point, resume_dir, run_fingerprint, save_resume_point
+from dflash.train_resume import (newest_resume_point, remove_resume_points, resume_dir, run_fingerprint,
+                                 save_resume_point)
 from dflash.workflow import CONSOLE_FD, drafter_train_cfg, job_console, progress
 
 ARCH_KEYS = ("num_layers", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "block_size",
@@ -127,155 +133,221 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
     if problem := replace_problem(out_dir, "checkpoint"):  # now, not after the training
         raise FileExistsError(problem)
     dist = Distributed(pick_device(cfg["device"]))
-    device, main = dist.device, dist.rank == 0
+    main, steps = dist.rank == 0, cfg["steps"]
     torch.manual_seed(cfg["seed"])
     generator = torch.Generator().manual_seed(cfg["seed"])
-
-    target_config = AutoConfig.from_pretrained(target_dir).get_text_config()
-    if cfg["hidden_states"] == "online":  # the target runs here: stop now, not after minutes of loading
-        check_fast_kernels(target_config, device, cfg["fast_kernels"], log)
-    config = drafter_config(cfg, target_config)
-    if main:  # before the hours of training, not after
-        for problem in serving_problems(config.to_dict()):
-            log.warning("serving: %s", problem)
-    layer_ids = config.dflash_config["target_layer_ids"]
-    model = DFlashDraftModel(config).to(device)
-    io = TargetIO.from_pretrained(target_dir).to(device, torch.float32)
-    B, steps = config.block_size, cfg["steps"]
-    log.info("drafter: %d layers, %.2fM trainable params, target layers %s, block %d, %d process(es)",
-             config.num_hidden_layers, sum(p.numel() for p in model.parameters()) / 1e6, layer_ids, B, dist.world)
-    model = dist.wrap(model, cfg["parallel"])
-    optimizer = make_optimizer(model, cfg["lr"], cfg["weight_decay"], cfg["optimizer"])
-    # bf16 matmuls on GPU; the weights, optimizer and loss stay fp32
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    run = _set_up(cfg, target_dir, dist, log)
 
     start = time.time()
     resume = resume_dir(out_dir)
     fingerprint = run_fingerprint(cfg, tokenized, target_dir)
-    online = None
-    if cfg["hidden_states"] == "online":  # the frozen target computes each drawn row's features
-        from dflash.models import load_target
-
-        online = load_target(target_dir, torch.bfloat16 if device.type == "cuda" else torch.float32)[0].to(device)
-        online.requires_grad_(False)
-        hidden = None
-    greedy = cfg["loss"]["labels"] == "target"
-    with ShardData(tokenized, hidden, layer_ids, target_config.hidden_size, target_dir.name, log, online,
-                   greedy) as data, \
+    online = _online_target(target_dir, dist.device) if cfg["hidden_states"] == "online" else None
+    with ShardData(tokenized, hidden if online is None else None, run.config.dflash_config["target_layer_ids"],
+                   run.target_config.hidden_size, target_dir.name, log, online,
+                   cfg["loss"]["labels"] == "target") as data, \
             ExitStack() as outputs:
         log.info("data: %s", data.summary)
         rows = RowOrder(len(data.rows), generator)
-        first_loss = final_loss = float("nan")
-        log_lines: list[str] = []
-        window = new_window(B)
-        step0 = 0
+        train_log = TrainLog(run.config.block_size)
         state = newest_resume_point(resume, fingerprint, log) if resume.exists() else None
-        if state:
-            dist.load_full_state(model, optimizer, state["model"], state["optimizer"])
-            generator.set_state(state["generator"])
-            torch.set_rng_state(state["torch_rng"])
-            rows.load_state_dict(state["rows"])
-            step0, first_loss, final_loss = state["step"], state["first_loss"], state["final_loss"]
-            log_lines, window = state["log_lines"], {**state["window"], "t0": time.time()}
+        step0 = _resumed(state, run, dist, generator, rows, train_log) if state else 0
         if main:
             tmp = outputs.enter_context(atomic_dir(out_dir, "checkpoint"))
             log_file = outputs.enter_context(open(tmp / "train_log.jsonl", "w"))
-            log_file.writelines(log_lines)
-        per_rank = cfg["batch_size"]
-        mine = slice(dist.rank * per_rank, (dist.rank + 1) * per_rank)
-        pin = device.type == "cuda"  # page-locked, so the copy to the GPU can run without blocking the loop
-        pin_device = torch.cuda.current_device() if pin else None
-
-        def next_batch() -> tuple[Batch, int, dict]:
-            """The next step's batch, the supervised slots of the global batch (the loss's
-            denominator on every rank), and the draw state a resume point after that step stores
-            (the prefetch thread has drawn further by then)."""
-            # all ranks draw the whole global batch, so their generators stay equal; each trains its slice
-            batch_rows = [data.rows[next(rows)] for _ in range(per_rank * dist.world)]
-            anchors = [sample_anchors(r.loss_mask, cfg["num_anchors"], generator) for r in batch_rows]
-            draws = {"generator": generator.get_state(), "rows": rows.state_dict()}
-            supervised = sum(int(supervision(r.loss_mask, a[:, None] + torch.arange(B)).sum())
-                             for r, a in zip(batch_rows, anchors))
-            outputs = [data.target_outputs(r) for r in batch_rows[mine]]
-            batch = make_batch(batch_rows[mine], [f for f, _ in outputs], anchors[mine], B,
-                               config.dflash_config["mask_token_id"], [g for _, g in outputs] if greedy else None)
-            if pin:
-                # a new thread's current device is GPU 0: pinning there would open a context on it from every rank
-                torch.cuda.set_device(pin_device)
-                batch = batch.pin_memory()
-            return batch, supervised, draws
-
+            log_file.writelines(train_log.lines)
         # online features are the target's forward on this device: in a second thread it would only
         # queue behind the training step's kernels and contend for the GIL, so it runs in the loop
         ahead = cfg["prefetch"] if online is None else 0
-        batches = outputs.enter_context(closing(prefetched(next_batch, steps - step0, ahead)))
+        batches = outputs.enter_context(closing(prefetched(_batch_maker(data, rows, generator, run, cfg, dist),
+                                                           steps - step0, ahead)))
         bar = progress(range(step0, steps), desc="train drafter", unit="step", initial=step0, total=steps,
                        disable=not main)  # one bar, one console story, for all ranks
         for step, (batch, supervised, draws) in zip(bar, batches):
-            batch = batch.to(device, non_blocking=pin)
-            if cfg["feature_noise"]:
-                add_feature_noise(batch, cfg["feature_noise"], cfg["seed"], step, dist.rank * per_rank)
-            lr = lr_at(step, steps, cfg["lr"], cfg["warmup_ratio"], cfg["min_lr_ratio"])
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-
-            with autocast:
-                loss, parts = draft_loss(model, io, batch, B, cfg["loss"], supervised, dist.world,
-                                         chunk_tokens=cfg["loss_chunk_tokens"])
-            loss.backward()
-            if cfg["grad_clip"]:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-            weighted, correct, count, weight = dist.sum(parts.weighted_ce.float().reshape(1), parts.correct,
-                                                        parts.count, parts.weight)
-            step_loss = weighted.item() / supervised  # the global batch's loss, as one process has it
-            if step == 0:
-                first_loss = step_loss
-            window["loss"] += step_loss
-            window["steps"] += 1
-            window["correct"] += correct.cpu()
-            window["count"] += count.cpu()
-            window["weight"] += weight.cpu()
+            lr, step_loss, sums = _train_step(run, batch, supervised, step, cfg, dist)
+            train_log.add(step, step_loss, *sums)
             if (step + 1) % cfg["log_every"] == 0 or step + 1 == steps:
-                final_loss = window["loss"] / window["steps"]
-                record = log_record(step + 1, final_loss, lr, window)
-                log_lines.append(json.dumps(record) + "\n")
+                record = train_log.end_window(step + 1, lr)
                 if main:
-                    log_file.write(log_lines[-1])
+                    log_file.write(train_log.lines[-1])
                     log_file.flush()
-                    log.info("step %d loss %.4f acc %.3f expected acceptance %.2f lr %.2e", step + 1, final_loss,
-                             record["acc"], record["expected_acceptance"], lr)
-                    bar.set_postfix(loss=f"{final_loss:.3f}", refresh=False)
-                window = new_window(B)
+                    log.info("step %d loss %.4f acc %.3f expected acceptance %.2f lr %.2e", step + 1,
+                             train_log.final_loss, record["acc"], record["expected_acceptance"], lr)
+                    bar.set_postfix(loss=f"{train_log.final_loss:.3f}", refresh=False)
             if cfg["save_every"] and (step + 1) % cfg["save_every"] == 0 and step + 1 < steps:
-                model_state, optim_state = dist.full_state(model, optimizer)
-                if main:
-                    save_resume_point(resume, {
-                        "fingerprint": fingerprint, "step": step + 1, "model": model_state, "optimizer": optim_state,
-                        "generator": draws["generator"], "torch_rng": torch.get_rng_state(),
-                        "rows": draws["rows"], "first_loss": first_loss, "final_loss": final_loss,
-                        "log_lines": log_lines, "window": {k: v for k, v in window.items() if k != "t0"}})
-                dist.barrier()
+                _write_resume_point(resume, fingerprint, step + 1, run, dist, draws, train_log)
 
-        model_state, _ = dist.full_state(model, optimizer)
+        model_state, _ = dist.full_state(run.model, run.optimizer)
         seconds = time.time() - start
         if main:
-            write_drafter_state(model_state, config, tmp)
-            state = {"steps": steps, "first_loss": first_loss, "final_loss": final_loss, "seconds": seconds,
-                     "resumed_from_step": step0, "processes": dist.world, "cfg": cfg, "data": data.summary}
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+            _write_checkpoint(tmp, model_state, run.config, cfg, train_log, step0, seconds, dist.world, data.summary)
     if main and resume.exists():  # the checkpoint is in place: nothing left to resume
-        for point in resume.glob("step-*.pt"):  # only what save_resume_point wrote
-            point.unlink()
-        with contextlib.suppress(OSError):  # a folder holding anything else is left as it is
-            resume.rmdir()
+        remove_resume_points(resume)
     dist.barrier()
     dist.close()
-    return {"steps": steps, "final_loss": final_loss, "first_loss": first_loss,
+    return {"steps": steps, "final_loss": train_log.final_loss, "first_loss": train_log.first_loss,
             "rows": data.summary["trainable_rows"], "tokens": data.summary["trainable_tokens"],
             "seconds": seconds, "resumed_from_step": step0}
+
+
+@dataclass
+class Run:
+    """What set-up builds for the steps: the drafter (wrapped for the processes: DDP, FSDP), the
+    target's frozen embedding and lm_head it drafts through, its optimizer, and the step's autocast."""
+    target_config: PretrainedConfig
+    config: Qwen3Config
+    model: torch.nn.Module
+    io: TargetIO
+    optimizer: Optimizers
+    autocast: AbstractContextManager
+
+
+def _set_up(cfg: dict, target_dir: Path, dist: Distributed, log: logging.Logger) -> Run:
+    target_config = AutoConfig.from_pretrained(target_dir).get_text_config()
+    if cfg["hidden_states"] == "online":  # the target runs here: stop now, not after minutes of loading
+        check_fast_kernels(target_config, dist.device, cfg["fast_kernels"], log)
+    config = drafter_config(cfg, target_config)
+    if dist.rank == 0:  # before the hours of training, not after
+        for problem in serving_problems(config.to_dict()):
+            log.warning("serving: %s", problem)
+    model = DFlashDraftModel(config).to(dist.device)
+    io = TargetIO.from_pretrained(target_dir).to(dist.device, torch.float32)
+    log.info("drafter: %d layers, %.2fM trainable params, target layers %s, block %d, %d process(es)",
+             config.num_hidden_layers, sum(p.numel() for p in model.parameters()) / 1e6,
+             config.dflash_config["target_layer_ids"], config.block_size, dist.world)
+    model = dist.wrap(model, cfg["parallel"])
+    optimizer = make_optimizer(model, cfg["lr"], cfg["weight_decay"], cfg["optimizer"])
+    # bf16 matmuls on GPU; the weights, optimizer and loss stay fp32
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dist.device.type == "cuda" else nullcontext()
+    return Run(target_config, config, model, io, optimizer, autocast)
+
+
+def _online_target(target_dir: Path, device: torch.device) -> torch.nn.Module:
+    """The frozen target, to compute each drawn row's features (``hidden_states: online``)."""
+    from dflash.models import load_target
+
+    online = load_target(target_dir, torch.bfloat16 if device.type == "cuda" else torch.float32)[0].to(device)
+    online.requires_grad_(False)
+    return online
+
+
+def _batch_maker(data: ShardData, rows: RowOrder, generator: torch.Generator, run: Run, cfg: dict,
+                 dist: Distributed) -> Callable[[], tuple[Batch, int, dict]]:
+    B, per_rank, greedy = run.config.block_size, cfg["batch_size"], cfg["loss"]["labels"] == "target"
+    mine = slice(dist.rank * per_rank, (dist.rank + 1) * per_rank)
+    pin = dist.device.type == "cuda"  # page-locked, so the copy to the GPU can run without blocking the loop
+    pin_device = torch.cuda.current_device() if pin else None
+
+    def next_batch() -> tuple[Batch, int, dict]:
+        """The next step's batch, the supervised slots of the global batch (the loss's
+        denominator on every rank), and the draw state a resume point after that step stores
+        (the prefetch thread has drawn further by then)."""
+        # all ranks draw the whole global batch, so their generators stay equal; each trains its slice
+        batch_rows = [data.rows[next(rows)] for _ in range(per_rank * dist.world)]
+        anchors = [sample_anchors(r.loss_mask, cfg["num_anchors"], generator) for r in batch_rows]
+        draws = {"generator": generator.get_state(), "rows": rows.state_dict()}
+        supervised = sum(int(supervision(r.loss_mask, a[:, None] + torch.arange(B)).sum())
+                         for r, a in zip(batch_rows, anchors))
+        outputs = [data.target_outputs(r) for r in batch_rows[mine]]
+        batch = make_batch(batch_rows[mine], [f for f, _ in outputs], anchors[mine], B,
+                           run.config.dflash_config["mask_token_id"], [g for _, g in outputs] if greedy else None)
+        if pin:
+            # a new thread's current device is GPU 0: pinning there would open a context on it from every rank
+            torch.cuda.set_device(pin_device)
+            batch = batch.pin_memory()
+        return batch, supervised, draws
+
+    return next_batch
+
+
+def _train_step(run: Run, batch: Batch, supervised: int, step: int, cfg: dict,
+                dist: Distributed) -> tuple[float, float, list[torch.Tensor]]:
+    """One optimizer step on this rank's slice of the global batch: its lr, the global batch's loss,
+    and the global batch's per-position sums (correct, count, weight)."""
+    batch = batch.to(dist.device, non_blocking=dist.device.type == "cuda")
+    if cfg["feature_noise"]:
+        add_feature_noise(batch, cfg["feature_noise"], cfg["seed"], step, dist.rank * cfg["batch_size"])
+    lr = lr_at(step, cfg["steps"], cfg["lr"], cfg["warmup_ratio"], cfg["min_lr_ratio"])
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+
+    with run.autocast:
+        loss, parts = draft_loss(run.model, run.io, batch, run.config.block_size, cfg["loss"], supervised,
+                                 dist.world, chunk_tokens=cfg["loss_chunk_tokens"])
+    loss.backward()
+    if cfg["grad_clip"]:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg["grad_clip"])
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+
+    weighted, *sums = dist.sum(parts.weighted_ce.float().reshape(1), parts.correct, parts.count, parts.weight)
+    return lr, weighted.item() / supervised, sums  # the global batch's loss, as one process has it
+
+
+def _resumed(state: dict, run: Run, dist: Distributed, generator: torch.Generator, rows: RowOrder,
+             train_log: TrainLog) -> int:
+    """Continue from a resume point: the step it was written after."""
+    dist.load_full_state(run.model, run.optimizer, state["model"], state["optimizer"])
+    generator.set_state(state["generator"])
+    torch.set_rng_state(state["torch_rng"])
+    rows.load_state_dict(state["rows"])
+    train_log.load_state_dict(state)
+    return state["step"]
+
+
+def _write_resume_point(resume: Path, fingerprint: str, step: int, run: Run, dist: Distributed, draws: dict,
+                        train_log: TrainLog) -> None:
+    """Rank 0's, which serves every rank: they all draw the same rows and anchors."""
+    model_state, optim_state = dist.full_state(run.model, run.optimizer)
+    if dist.rank == 0:
+        save_resume_point(resume, {
+            "fingerprint": fingerprint, "step": step, "model": model_state, "optimizer": optim_state,
+            "generator": draws["generator"], "torch_rng": torch.get_rng_state(), "rows": draws["rows"],
+            **train_log.state_dict()})
+    dist.barrier()
+
+
+def _write_checkpoint(tmp: Path, model_state: dict, config: Qwen3Config, cfg: dict, train_log: TrainLog,
+                      step0: int, seconds: float, processes: int, data: dict) -> None:
+    write_drafter_state(model_state, config, tmp)
+    state = {"steps": cfg["steps"], "first_loss": train_log.first_loss, "final_loss": train_log.final_loss,
+             "seconds": seconds, "resumed_from_step": step0, "processes": processes, "cfg": cfg, "data": data}
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+
+
+class TrainLog:
+    """What train_log.jsonl holds of a run so far, and what its next line sums: the steps since the
+    last line (the window)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.first_loss = self.final_loss = float("nan")
+        self.lines: list[str] = []
+        self.window = new_window(block_size)
+
+    def add(self, step: int, loss: float, correct: torch.Tensor, count: torch.Tensor, weight: torch.Tensor) -> None:
+        if step == 0:
+            self.first_loss = loss
+        self.window["loss"] += loss
+        self.window["steps"] += 1
+        self.window["correct"] += correct.cpu()
+        self.window["count"] += count.cpu()
+        self.window["weight"] += weight.cpu()
+
+    def end_window(self, step: int, lr: float) -> dict:
+        """The line for the window that ends after ``step`` steps (appended to ``lines``)."""
+        self.final_loss = self.window["loss"] / self.window["steps"]
+        record = log_record(step, self.final_loss, lr, self.window)
+        self.lines.append(json.dumps(record) + "\n")
+        self.window = new_window(self.block_size)
+        return record
+
+    def state_dict(self) -> dict:
+        return {"first_loss": self.first_loss, "final_loss": self.final_loss, "log_lines": self.lines,
+                "window": {k: v for k, v in self.window.items() if k != "t0"}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.first_loss, self.final_loss = state["first_loss"], state["final_loss"]
+        self.lines, self.window = state["log_lines"], {**state["window"], "t0": time.time()}
 
 
 def new_window(block_size: int) -> dict:

@@ -3,6 +3,7 @@
 stopped. (``dflash.resume`` is the generate stage's, a different thing.)"""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -59,3 +60,10 @@ def save_resume_point(directory: Path, state: dict, keep: int = 2) -> None:
         torch.save(state, tmp)
     for old in sorted(directory.glob("step-*.pt"))[:-keep]:
         old.unlink()
+
+
+def remove_resume_points(directory: Path) -> None:
+    for point in directory.glob("step-*.pt"):  # only what save_resume_point wrote
+        point.unlink()
+    with contextlib.suppress(OSError):  # a folder holding anything else is left as it is
+        directory.rmdir()
