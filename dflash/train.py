@@ -43,7 +43,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig, Qwen3Config
 
 from dflash.batches import Batch, RowOrder, ShardData, add_feature_noise, make_batch, prefetched, sample_anchors
-from dflash.config import defaults
+from dflash.config import completed, defaults
 from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config, write_drafter_state
 from dflash.errors import RANK_ERRORS, first_rank_error, rank_error_recorded
 from dflash.io import atomic_dir, replace_problem
@@ -93,8 +93,10 @@ def resolve_cfg(cfg: dict) -> dict:
     unknown = sorted(set(cfg) - set(known))
     if unknown:
         raise ValueError(f"unknown drafter/train settings: {unknown}")
-    merged = {**known, **cfg}
-    merged["loss"] = {**known["loss"], **(cfg.get("loss") or {})}
+    # train.loss is the one nested setting: the schema's defaults complete it key by key (unpacked
+    # first, so a loss that is no mapping fails here rather than pass as a set of keys)
+    loss = completed({"loss": {**(cfg.get("loss") or {})}}, "train")["loss"]
+    merged = {**known, **cfg, "loss": loss}
     if unknown := sorted(set(merged["loss"]) - set(known["loss"])):
         raise ValueError(f"unknown train.loss settings: {unknown}")
     if merged["loss"]["weights"] not in WEIGHTS or merged["loss"]["labels"] not in LABELS:
