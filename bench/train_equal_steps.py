@@ -70,7 +70,7 @@ def speculators_data(results: Path, target_dir: Path, hidden: list[Path], drafte
     from dflash.drafter import TargetIO
     from dflash.hidden import cached_features, forward_features
     from dflash.models import load_target
-    from dflash.train import anchor_candidates
+    from dflash.batches import anchor_candidates
 
     config = Qwen3Config.from_pretrained(drafter_dir)
     config.save_pretrained(out)

@@ -121,7 +121,8 @@ def build_seconds(target: Path, tokenized, hidden, cfg: dict, steps: int) -> flo
     """Building the batches alone (draws, cache reads, layout), as the loop does without prefetch."""
     import torch
 
-    from dflash.train import RowOrder, ShardData, make_batch, resolve_cfg, sample_anchors
+    from dflash.batches import RowOrder, ShardData, make_batch, sample_anchors
+    from dflash.train import resolve_cfg
 
     cfg = resolve_cfg(cfg)
     generator = torch.Generator().manual_seed(0)

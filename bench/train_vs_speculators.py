@@ -89,8 +89,10 @@ def ours(rows_per_step: int) -> None:
     import torch
     from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
+    from dflash.batches import Row, make_batch, sample_anchors
     from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config
-    from dflash.train import Row, draft_loss, make_batch, make_optimizer, sample_anchors, trainer_defaults
+    from dflash.optim import make_optimizer
+    from dflash.train import draft_loss, trainer_defaults
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

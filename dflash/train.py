@@ -20,41 +20,42 @@ Output directory (written under a temporary name, renamed when complete):
 ``position_weight[k-1]`` the mean loss weight there;
 ``tokens_per_s`` counts supervised block positions),
 ``trainer_state.json`` (``steps, first_loss, final_loss, seconds, cfg, data``).
+
+Here the run: set-up, the step loop, the log, the checkpoint. The batches come from
+``dflash.batches``, the optimizers from ``dflash.optim``, resume points from ``dflash.train_resume``,
+the processes from ``dflash.parallel``.
 """
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import logging
-import math
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, closing, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, closing, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import torch
-from transformers import AutoConfig, Qwen3Config
+from transformers import AutoConfig, PretrainedConfig, Qwen3Config
 
-from dflash.hidden import cached_features, check_token_ids, features_and_greedy, forward_features
-from dflash.objective import LABELS, WEIGHTS, block_labels, block_loss, supervision
+from dflash.batches import Batch, RowOrder, ShardData, add_feature_noise, make_batch, prefetched, sample_anchors
+from dflash.config import completed, defaults
 from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config, write_drafter_state
-from dflash.serving import serving_problems
-from dflash.config import defaults
 from dflash.errors import RANK_ERRORS, first_rank_error, rank_error_recorded
-from dflash.io import atomic_dir, atomic_path, load_safetensors, open_safetensors, read_json, replace_problem
+from dflash.io import atomic_dir, replace_problem
 from dflash.models import check_fast_kernels, pick_device
+from dflash.objective import LABELS, WEIGHTS, block_loss, supervision
+from dflash.optim import OPTIMIZERS, Optimizers, lr_at, make_optimizer
+from dflash.parallel import Distributed
+from dflash.serving import serving_problems
+from dflash.train_resume import (newest_resume_point, remove_resume_points, resume_dir, run_fingerprint,
+                                 save_resume_point)
 from dflash.workflow import CONSOLE_FD, drafter_train_cfg, job_console, progress
 
-OPTIMIZERS = ("adamw", "muon")
 ARCH_KEYS = ("num_layers", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "block_size",
              "mask_token_id", "target_layer_ids", "layer_types", "sliding_window")
 # Sizes that default to the target's own.
@@ -92,8 +93,10 @@ def resolve_cfg(cfg: dict) -> dict:
     unknown = sorted(set(cfg) - set(known))
     if unknown:
         raise ValueError(f"unknown drafter/train settings: {unknown}")
-    merged = {**known, **cfg}
-    merged["loss"] = {**known["loss"], **(cfg.get("loss") or {})}
+    # train.loss is the one nested setting: the schema's defaults complete it key by key (unpacked
+    # first, so a loss that is no mapping fails here rather than pass as a set of keys)
+    loss = completed({"loss": {**(cfg.get("loss") or {})}}, "train")["loss"]
+    merged = {**known, **cfg, "loss": loss}
     if unknown := sorted(set(merged["loss"]) - set(known["loss"])):
         raise ValueError(f"unknown train.loss settings: {unknown}")
     if merged["loss"]["weights"] not in WEIGHTS or merged["loss"]["labels"] not in LABELS:
@@ -111,469 +114,12 @@ def resolve_cfg(cfg: dict) -> dict:
     return merged
 
 
-# ---------------------------------------------------------------------------------------------
-# Data
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class Row:
-    shard: int
-    start: int
-    end: int
-    input_ids: torch.Tensor  # int64 [T]
-    loss_mask: torch.Tensor  # bool [T]
-
-
-class ShardData:
-    """Rows of the tokenized shards, with their hidden states (and, for ``greedy``, the target's
-    greedy tokens) read lazily per row from the cache, or (``online``: the frozen target) computed
-    per row when it is drawn."""
-
-    def __init__(self, tokenized: list[Path], hidden: list[Path] | None, target_layer_ids: list[int],
-                 hidden_size: int, target_name: str, log: logging.Logger, online: torch.nn.Module | None = None,
-                 greedy: bool = False):
-        if hidden is None:
-            hidden = [None] * len(tokenized)
-        if len(tokenized) != len(hidden):
-            raise ValueError(f"{len(tokenized)} tokenized shards but {len(hidden)} hidden shards")
-        self.online, self.layer_ids, self.greedy = online, list(target_layer_ids), greedy
-        self._files = ExitStack()
-        self.handles = []
-        self.rows: list[Row] = []
-        self.row_ids: dict[str, Path] = {}  # a row's id -> the index that lists it
-        self.summary = {"shards": len(tokenized), "rows": 0, "tokens": 0,
-                        "trainable_rows": 0, "trainable_tokens": 0, "supervised_tokens": 0}
-        try:
-            for shard, (tok_path, hid_path) in enumerate(zip(map(Path, tokenized), hidden)):
-                self._add_shard(shard, tok_path, hid_path, target_layer_ids, hidden_size, target_name, log)
-        except BaseException:
-            self.close()
-            raise
-        if not self.rows:
-            raise ValueError("no trainable row has two consecutive supervised tokens: nothing to train on")
-
-    def _add_shard(self, shard, tok_path, hid_path, target_layer_ids, hidden_size, target_name, log):
-        tok = load_safetensors(tok_path, ("input_ids", "loss_mask", "offsets"), "a tokenized shard")
-        meta_path = tok_path.with_suffix(".json")
-        rows_meta = read_json(meta_path)["rows"]
-        offsets = tok["offsets"].long()
-        if len(rows_meta) != len(offsets) - 1:
-            raise ValueError(f"{meta_path}: {len(rows_meta)} rows listed, {tok_path} has {len(offsets) - 1}")
-
-        input_ids = tok["input_ids"].long()
-        if self.online is not None:
-            check_token_ids(tok_path, input_ids, offsets, self.online.get_input_embeddings().weight.shape[0])
-        if hid_path is None:
-            self.handles.append(None)
-        else:
-            self.handles.append(self._open_cache(Path(hid_path), tok_path, offsets, input_ids, target_layer_ids,
-                                                 hidden_size, target_name, log))
-
-        if again := next((m["id"] for m in rows_meta if m["id"] in self.row_ids), None):
-            raise ValueError(f"{meta_path}: row {again} is a row of {self.row_ids[again]} too: a shard given twice "
-                             f"(or a copy of one) would train its rows twice; give each shard once")
-        self.row_ids.update((m["id"], meta_path) for m in rows_meta)
-        loss_mask = tok["loss_mask"].bool()
-        for r, row_meta in enumerate(rows_meta):
-            start, end = int(offsets[r]), int(offsets[r + 1])
-            row = Row(shard, start, end, input_ids[start:end], loss_mask[start:end])
-            self.summary["rows"] += 1
-            self.summary["tokens"] += end - start
-            # "trainable" is the row's supervised-token count: 0 skips it.
-            if row_meta.get("trainable", True) and len(anchor_candidates(row.loss_mask)) > 0:
-                self.rows.append(row)
-                self.summary["trainable_rows"] += 1
-                self.summary["trainable_tokens"] += end - start
-                self.summary["supervised_tokens"] += int(row.loss_mask.sum())
-
-    def _open_cache(self, hid_path, tok_path, offsets, input_ids, target_layer_ids, hidden_size, target_name, log):
-        f = self._files.enter_context(open_safetensors(hid_path, ("hidden_states", "input_ids", "offsets"),
-                                                       "a hidden-state shard"))
-        meta = f.metadata() or {}
-        layer_ids = json.loads(meta.get("target_layer_ids", "null"))
-        if layer_ids != list(target_layer_ids):
-            raise ValueError(f"{hid_path}: hidden states of target layers {layer_ids}, "
-                             f"the drafter config wants {list(target_layer_ids)}")
-        if meta.get("model") not in (None, target_name):
-            log.warning("%s: hidden states from model %r, training against %r", hid_path, meta["model"], target_name)
-        shape = f.get_slice("hidden_states").get_shape()
-        if shape[1:] != [len(target_layer_ids), hidden_size]:
-            raise ValueError(f"{hid_path}: hidden_states shape {shape}, expected "
-                             f"[T, {len(target_layer_ids)}, {hidden_size}] for this target and drafter")
-        if not torch.equal(f.get_tensor("offsets").long(), offsets):
-            raise ValueError(f"{hid_path}: row offsets differ from {tok_path}")
-        if not torch.equal(f.get_tensor("input_ids").long(), input_ids) or shape[0] != len(input_ids):
-            raise ValueError(f"{hid_path}: input_ids differ from {tok_path}")
-        if self.greedy and "target_argmax" not in f.keys():
-            raise ValueError(f"{hid_path}: a hidden-state cache without the target's greedy tokens (target_argmax), "
-                             f"which train.loss.labels: target trains on: re-run the hidden stage with this version "
-                             f"(`snakemake --forcerun hidden`), or set train.loss.labels: data")
-        return f
-
-    def target_outputs(self, row: Row) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(features [T, k, H], the target's greedy token after each position [T] or None)."""
-        if self.online is not None:
-            ids = row.input_ids[None].to(next(self.online.parameters()).device)
-            if self.greedy:
-                features, greedy = features_and_greedy(self.online, ids, self.layer_ids)
-                return features, greedy.cpu()  # laid out with the row's CPU positions
-            return forward_features(self.online, ids, self.layer_ids, logits=False)[1][0], None
-        handle = self.handles[row.shard]
-        greedy = handle.get_slice("target_argmax")[row.start:row.end] if self.greedy else None
-        return cached_features(handle, row.start, row.end), greedy
-
-    def close(self) -> None:
-        self._files.close()
-
-    def __enter__(self) -> ShardData:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
-    """Positions whose next token is supervised too, so every block has a label."""
-    return (loss_mask[:-1] & loss_mask[1:]).nonzero().squeeze(1)
-
-
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
-    candidates = anchor_candidates(loss_mask)
-    pick = torch.randperm(len(candidates), generator=generator)[:num_anchors]
-    return candidates[pick].sort().values
-
-
-class RowOrder:
-    """Row indices, epoch after epoch, each epoch in a fresh random order. Its position is part of
-    a resume point, so a resumed run continues with exactly the rows it would have drawn."""
-
-    def __init__(self, num_rows: int, generator: torch.Generator):
-        self.num_rows, self.generator = num_rows, generator
-        self.order: list[int] = []
-        self.pos = 0
-
-    def __next__(self) -> int:
-        if self.pos == len(self.order):
-            self.order, self.pos = torch.randperm(self.num_rows, generator=self.generator).tolist(), 0
-        self.pos += 1
-        return self.order[self.pos - 1]
-
-    def state_dict(self) -> dict:
-        # no copy: a new epoch replaces ``order`` and never changes it in place
-        return {"order": self.order, "pos": self.pos}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.order, self.pos = list(state["order"]), state["pos"]
-
-
-@dataclass
-class Batch:
-    block_ids: torch.Tensor       # [R, N*B] anchor token then MASKs
-    block_pos: torch.Tensor       # [R, N*B] absolute positions
-    labels: torch.Tensor          # [R, N*B]
-    supervised: torch.Tensor      # [R, N*B] bool: False for slot 0, padding, labels outside the completion
-    context: torch.Tensor         # [R, T, k, H]
-    context_pos: torch.Tensor     # [R, T]
-    context_valid: torch.Tensor   # [R, T]
-
-    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
-        return Batch(**{k: v.to(device, non_blocking=non_blocking) for k, v in vars(self).items()})
-
-    def pin_memory(self) -> Batch:
-        return Batch(**{k: v.pin_memory() for k, v in vars(self).items()})
-
-
-T = TypeVar("T")
-
-
-def prefetched(build: Callable[[], T], count: int, ahead: int) -> Iterator[T]:
-    """``count`` results of ``build()``, called in order by one background thread that stays up
-    to ``ahead`` results ahead of the consumer (0: called in the consumer's thread). One thread
-    keeps the calls, and so their random draws, in the order of a run without prefetch. A thread,
-    not a process: building a batch is a few bulk copies (cache slices, the fp32 context, pinning)
-    in torch and safetensors calls, not per-element Python, and a thread shares the open cache
-    files and the generator (bench/train_input.py: no cost measured on CPU). Close it to stop the
-    thread."""
-    if ahead == 0:
-        for _ in range(count):
-            yield build()
-        return
-    pool = ThreadPoolExecutor(1, thread_name_prefix="dflash-prefetch")
-    try:
-        pending = deque(pool.submit(build) for _ in range(min(ahead, count)))
-        submitted = len(pending)
-        while pending:
-            result = pending.popleft().result()
-            if submitted < count:
-                pending.append(pool.submit(build))
-                submitted += 1
-            yield result
-    finally:
-        pool.shutdown(cancel_futures=True)
-
-
-def make_batch(rows: list[Row], features: list[torch.Tensor], anchors: list[torch.Tensor],
-               block_size: int, mask_token_id: int, greedy: list[torch.Tensor] | None = None) -> Batch:
-    """Lay out each row's blocks one after another and pad rows to a common shape; padded
-    blocks keep well-formed positions but are not supervised. ``greedy``: per row, the target's
-    greedy tokens to label with (``block_labels``); None: the data's tokens."""
-    R, B = len(rows), block_size
-    N = max(len(a) for a in anchors)
-    T = max(len(r.input_ids) for r in rows)
-    k = torch.arange(B)
-
-    block_ids = torch.full((R, N, B), mask_token_id, dtype=torch.long)
-    block_pos = k.repeat(R, N, 1)
-    labels = torch.zeros((R, N, B), dtype=torch.long)
-    supervised = torch.zeros((R, N, B), dtype=torch.bool)
-    context = torch.zeros((R, T, *features[0].shape[1:]), dtype=torch.float32)
-    context_valid = torch.zeros((R, T), dtype=torch.bool)
-    for i, (row, feats, a) in enumerate(zip(rows, features, anchors)):
-        n, length = len(a), len(row.input_ids)
-        pos = a[:, None] + k                       # [n, B]
-        block_ids[i, :n, 0] = row.input_ids[a]
-        block_pos[i, :n] = pos
-        labels[i, :n] = block_labels(row.input_ids, None if greedy is None else greedy[i], pos)
-        supervised[i, :n] = supervision(row.loss_mask, pos)
-        context[i, :length] = feats.float()
-        context_valid[i, :length] = True
-    return Batch(block_ids.flatten(1), block_pos.flatten(1), labels.flatten(1), supervised.flatten(1),
-                 context, torch.arange(T).repeat(R, 1), context_valid)
-
-
 def draft_loss(model: torch.nn.Module, io: TargetIO, batch: Batch, B: int, loss: dict, supervised: int | torch.Tensor,
                world: int = 1, *, chunk_tokens: int):
     """The drafter's forward over a batch and its loss (``dflash.objective.block_loss``, whose
     arguments these are). ``model`` may be wrapped (DDP, FSDP); ``B`` is its block size."""
     hidden = model(io.embed(batch.block_ids), batch.block_pos, batch.context, batch.context_pos, batch.context_valid)
     return block_loss(hidden, io.head_weight, batch.labels, batch.supervised, B, loss, supervised, world, chunk_tokens)
-
-
-def lr_at(step: int, steps: int, lr: float, warmup_ratio: float, min_lr_ratio: float) -> float:
-    """Linear warmup then cosine decay to ``min_lr_ratio * lr``; ``step`` counts from 0."""
-    warmup = round(warmup_ratio * steps)
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-class Muon(torch.optim.Muon):
-    """torch's Muon, with its Newton-Schulz orthogonalization in float32 off CUDA. torch runs it in
-    bfloat16 on every device, which a CPU without bfloat16 matrix units (the demo's AVX2 machines)
-    emulates: 60% of a demo training step went there, 2.4x the step. On CUDA it is torch's own
-    step; elsewhere the same update (momentum, Nesterov, the quintic iteration, the lr adjustment,
-    decoupled decay) on the same state, so a resume point carries over."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        if any(p.is_cuda for group in self.param_groups for p in group["params"]):
-            return super().step(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            a, b, c = group["ns_coefficients"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
-                buf.lerp_(p.grad, 1 - group["momentum"])
-                update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-                tall = update.size(0) > update.size(1)
-                x = update.float().T if tall else update.float()
-                x = x / x.norm().clamp(min=group["eps"])  # spectral norm at most 1
-                for _ in range(group["ns_steps"]):
-                    gram = x @ x.T
-                    x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-                rows, cols = p.shape[:2]
-                adjust = {"match_rms_adamw": 0.2 * math.sqrt(max(rows, cols)),
-                          "original": math.sqrt(max(1, rows / cols)), None: math.sqrt(max(1, rows / cols))}
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_((x.T if tall else x).to(p.dtype), alpha=-group["lr"] * adjust.get(group["adjust_lr_fn"], 1.0))
-        return loss
-
-
-class Optimizers:
-    """Several optimizers stepped as one: Muon moves the hidden matrices, AdamW the rest."""
-
-    def __init__(self, *optimizers: torch.optim.Optimizer):
-        self.optimizers = optimizers
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return [g for o in self.optimizers for g in o.param_groups]
-
-    def step(self) -> None:
-        for o in self.optimizers:
-            o.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for o in self.optimizers:
-            o.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict:
-        return {"optimizers": [o.state_dict() for o in self.optimizers]}
-
-    def load_state_dict(self, state: dict) -> None:
-        states = state.get("optimizers", [state])  # a lone AdamW's state: a resume point from before Muon
-        for o, s in zip(self.optimizers, states, strict=True):
-            o.load_state_dict(s)
-
-
-def add_feature_noise(batch: Batch, scale: float, seed: int, step: int, first_row: int) -> None:
-    """Add Gaussian noise to the target features the drafter reads, ``scale`` times each token's
-    RMS in each layer: a regularizer for a drafter that sees its rows many times, which otherwise
-    learns their exact features (bench/README.md, "the input layer off Muon, and feature noise").
-    Each row's noise comes from its own seed (run seed, step, row of the global batch), drawn on
-    the batch's device: a resumed run, a prefetching one and one split over ranks draw the same."""
-    generator = torch.Generator(batch.context.device)
-    for i, length in enumerate(batch.context_valid.sum(1).tolist()):
-        key = hashlib.sha256(f"{seed}/{step}/{first_row + i}".encode()).digest()
-        generator.manual_seed(int.from_bytes(key[:8], "little"))
-        context = batch.context[i, :length]
-        rms = context.pow(2).mean(-1, keepdim=True).sqrt()
-        context.add_(scale * rms * torch.randn(context.shape, generator=generator, device=context.device))
-
-
-def make_optimizer(model: DFlashDraftModel, lr: float, weight_decay: float, kind: str = "adamw") -> Optimizers:
-    # nanoGPT convention: decay the matrices, not the norm gains.
-    params = [p for p in model.parameters() if p.requires_grad]
-    matrices, gains = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
-    if kind == "muon":
-        # Muon for the hidden matrices only (Keller Jordan's convention): fc, the input layer that
-        # reads the target's features, stays on AdamW; Muon there cost 0.13 acceptance on the demo
-        # target (bench/README.md, "the input layer off Muon"). match_rms_adamw: one lr and schedule suit both.
-        fc = getattr(model, "module", model).fc.weight  # DDP wraps the drafter; FSDP keeps it
-        hidden = [p for p in matrices if p is not fc]
-        return Optimizers(Muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"),
-                          torch.optim.AdamW([{"params": [fc], "weight_decay": weight_decay},
-                                             {"params": gains, "weight_decay": 0.0}], lr=lr))
-    return Optimizers(torch.optim.AdamW([{"params": matrices, "weight_decay": weight_decay},
-                                         {"params": gains, "weight_decay": 0.0}], lr=lr))
-
-
-# ---------------------------------------------------------------------------------------------
-# Training loop
-# ---------------------------------------------------------------------------------------------
-
-def resume_dir(out_dir: Path) -> Path:
-    """Where resume points live: beside the checkpoint, never inside it (a failed job's output is
-    deleted by Snakemake; this folder survives for the re-run)."""
-    return out_dir.parent / f".{out_dir.name}.resume"
-
-
-def run_fingerprint(cfg: dict, tokenized: list[Path], target_dir: Path) -> str:
-    """What a resume point must match: the settings that shape the weights and the data (not
-    where or how fast: a run that ran out of memory may resume with a smaller loss chunk)."""
-    how = ("device", "save_every", "parallel", "prefetch", "loss_chunk_tokens", "fast_kernels")
-    # a setting at what the trainer did before it existed (AdamW, no feature noise) leaves the
-    # fingerprint as it was then, so a run's resume points stay good across that upgrade
-    before = (("optimizer", "adamw"), ("feature_noise", 0.0))
-    shaping = {k: v for k, v in cfg.items() if k not in how and (k, v) not in before}
-    h = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode())
-    h.update(Path(target_dir).name.encode())
-    # the target's weights as this machine holds them (resume points never leave it): a target
-    # rebuilt or replaced in the same folder gives other features, and must not continue a run
-    for weights in sorted(Path(target_dir).glob("*.safetensors")) + sorted(Path(target_dir).glob("*.bin")):
-        info = weights.stat()
-        h.update(f"{weights.name} {info.st_size} {info.st_mtime_ns}".encode())
-    for path in tokenized:
-        h.update(Path(path).with_suffix(".json").read_bytes())
-    return h.hexdigest()
-
-
-def newest_resume_point(directory: Path, fingerprint: str, log: logging.Logger) -> dict | None:
-    for path in sorted(directory.glob("step-*.pt"), reverse=True):
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=False)  # written by us, below
-        except Exception as e:  # a torn file cannot be: it is renamed into place when complete
-            log.warning("%s: unreadable (%s), trying an older one", path, e)
-            continue
-        if state["fingerprint"] != fingerprint:
-            log.warning("%s: from other settings or data, starting from step 0", path)
-            return None
-        log.info("resuming from %s (step %d)", path, state["step"])
-        return state
-    return None
-
-
-def save_resume_point(directory: Path, state: dict, keep: int = 2) -> None:
-    with atomic_path(directory / f"step-{state['step']:08d}.pt") as tmp:
-        torch.save(state, tmp)
-    for old in sorted(directory.glob("step-*.pt"))[:-keep]:
-        old.unlink()
-
-
-class Distributed:
-    """torchrun's process group when WORLD_SIZE > 1 (DDP, or FSDP for drafters too big to
-    replicate); a no-op otherwise. Every rank draws the same rows and anchors from the same
-    generator and trains on its own slice, so rank 0's resume point serves every rank."""
-
-    def __init__(self, device: torch.device):
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.device = device
-        if self.world > 1:
-            import torch.distributed as dist
-
-            if device.type == "cuda":
-                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-                torch.cuda.set_device(self.device)
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-
-    def wrap(self, model: torch.nn.Module, parallel: str) -> torch.nn.Module:
-        if self.world == 1:
-            return model
-        if parallel == "fsdp":
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in model.layers:
-                fully_shard(layer)
-            return fully_shard(model)
-        from torch.nn.parallel import DistributedDataParallel
-
-        return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-
-    def full_state(self, model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
-        """Model and optimizer state as one process would hold them (gathered under FSDP)."""
-        if self.world == 1:
-            return model.state_dict(), optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        return get_state_dict(model, optimizer.optimizers,
-                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-    def load_full_state(self, model: torch.nn.Module, optimizer, model_state: dict, optim_state: dict) -> None:
-        if self.world == 1:
-            model.load_state_dict(model_state)
-            optimizer.load_state_dict(optim_state)
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        set_state_dict(model, optimizer.optimizers, model_state_dict=model_state, optim_state_dict=optim_state,
-                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
-
-    def sum(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            for t in tensors:
-                dist.all_reduce(t)
-        return list(tensors)
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-
-    def close(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
 
 
 def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, out_dir: Path, cfg: dict,
@@ -589,155 +135,221 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
     if problem := replace_problem(out_dir, "checkpoint"):  # now, not after the training
         raise FileExistsError(problem)
     dist = Distributed(pick_device(cfg["device"]))
-    device, main = dist.device, dist.rank == 0
+    main, steps = dist.rank == 0, cfg["steps"]
     torch.manual_seed(cfg["seed"])
     generator = torch.Generator().manual_seed(cfg["seed"])
-
-    target_config = AutoConfig.from_pretrained(target_dir).get_text_config()
-    if cfg["hidden_states"] == "online":  # the target runs here: stop now, not after minutes of loading
-        check_fast_kernels(target_config, device, cfg["fast_kernels"], log)
-    config = drafter_config(cfg, target_config)
-    if main:  # before the hours of training, not after
-        for problem in serving_problems(config.to_dict()):
-            log.warning("serving: %s", problem)
-    layer_ids = config.dflash_config["target_layer_ids"]
-    model = DFlashDraftModel(config).to(device)
-    io = TargetIO.from_pretrained(target_dir).to(device, torch.float32)
-    B, steps = config.block_size, cfg["steps"]
-    log.info("drafter: %d layers, %.2fM trainable params, target layers %s, block %d, %d process(es)",
-             config.num_hidden_layers, sum(p.numel() for p in model.parameters()) / 1e6, layer_ids, B, dist.world)
-    model = dist.wrap(model, cfg["parallel"])
-    optimizer = make_optimizer(model, cfg["lr"], cfg["weight_decay"], cfg["optimizer"])
-    # bf16 matmuls on GPU; the weights, optimizer and loss stay fp32
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    run = _set_up(cfg, target_dir, dist, log)
 
     start = time.time()
     resume = resume_dir(out_dir)
     fingerprint = run_fingerprint(cfg, tokenized, target_dir)
-    online = None
-    if cfg["hidden_states"] == "online":  # the frozen target computes each drawn row's features
-        from dflash.models import load_target
-
-        online = load_target(target_dir, torch.bfloat16 if device.type == "cuda" else torch.float32)[0].to(device)
-        online.requires_grad_(False)
-        hidden = None
-    greedy = cfg["loss"]["labels"] == "target"
-    with ShardData(tokenized, hidden, layer_ids, target_config.hidden_size, target_dir.name, log, online,
-                   greedy) as data, \
+    online = _online_target(target_dir, dist.device) if cfg["hidden_states"] == "online" else None
+    with ShardData(tokenized, hidden if online is None else None, run.config.dflash_config["target_layer_ids"],
+                   run.target_config.hidden_size, target_dir.name, log, online,
+                   cfg["loss"]["labels"] == "target") as data, \
             ExitStack() as outputs:
         log.info("data: %s", data.summary)
         rows = RowOrder(len(data.rows), generator)
-        first_loss = final_loss = float("nan")
-        log_lines: list[str] = []
-        window = new_window(B)
-        step0 = 0
+        train_log = TrainLog(run.config.block_size)
         state = newest_resume_point(resume, fingerprint, log) if resume.exists() else None
-        if state:
-            dist.load_full_state(model, optimizer, state["model"], state["optimizer"])
-            generator.set_state(state["generator"])
-            torch.set_rng_state(state["torch_rng"])
-            rows.load_state_dict(state["rows"])
-            step0, first_loss, final_loss = state["step"], state["first_loss"], state["final_loss"]
-            log_lines, window = state["log_lines"], {**state["window"], "t0": time.time()}
+        step0 = _resumed(state, run, dist, generator, rows, train_log) if state else 0
         if main:
             tmp = outputs.enter_context(atomic_dir(out_dir, "checkpoint"))
             log_file = outputs.enter_context(open(tmp / "train_log.jsonl", "w"))
-            log_file.writelines(log_lines)
-        per_rank = cfg["batch_size"]
-        mine = slice(dist.rank * per_rank, (dist.rank + 1) * per_rank)
-        pin = device.type == "cuda"  # page-locked, so the copy to the GPU can run without blocking the loop
-        pin_device = torch.cuda.current_device() if pin else None
-
-        def next_batch() -> tuple[Batch, int, dict]:
-            """The next step's batch, the supervised slots of the global batch (the loss's
-            denominator on every rank), and the draw state a resume point after that step stores
-            (the prefetch thread has drawn further by then)."""
-            # all ranks draw the whole global batch, so their generators stay equal; each trains its slice
-            batch_rows = [data.rows[next(rows)] for _ in range(per_rank * dist.world)]
-            anchors = [sample_anchors(r.loss_mask, cfg["num_anchors"], generator) for r in batch_rows]
-            draws = {"generator": generator.get_state(), "rows": rows.state_dict()}
-            supervised = sum(int(supervision(r.loss_mask, a[:, None] + torch.arange(B)).sum())
-                             for r, a in zip(batch_rows, anchors))
-            outputs = [data.target_outputs(r) for r in batch_rows[mine]]
-            batch = make_batch(batch_rows[mine], [f for f, _ in outputs], anchors[mine], B,
-                               config.dflash_config["mask_token_id"], [g for _, g in outputs] if greedy else None)
-            if pin:
-                # a new thread's current device is GPU 0: pinning there would open a context on it from every rank
-                torch.cuda.set_device(pin_device)
-                batch = batch.pin_memory()
-            return batch, supervised, draws
-
+            log_file.writelines(train_log.lines)
         # online features are the target's forward on this device: in a second thread it would only
         # queue behind the training step's kernels and contend for the GIL, so it runs in the loop
         ahead = cfg["prefetch"] if online is None else 0
-        batches = outputs.enter_context(closing(prefetched(next_batch, steps - step0, ahead)))
+        batches = outputs.enter_context(closing(prefetched(_batch_maker(data, rows, generator, run, cfg, dist),
+                                                           steps - step0, ahead)))
         bar = progress(range(step0, steps), desc="train drafter", unit="step", initial=step0, total=steps,
                        disable=not main)  # one bar, one console story, for all ranks
         for step, (batch, supervised, draws) in zip(bar, batches):
-            batch = batch.to(device, non_blocking=pin)
-            if cfg["feature_noise"]:
-                add_feature_noise(batch, cfg["feature_noise"], cfg["seed"], step, dist.rank * per_rank)
-            lr = lr_at(step, steps, cfg["lr"], cfg["warmup_ratio"], cfg["min_lr_ratio"])
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-
-            with autocast:
-                loss, parts = draft_loss(model, io, batch, B, cfg["loss"], supervised, dist.world,
-                                         chunk_tokens=cfg["loss_chunk_tokens"])
-            loss.backward()
-            if cfg["grad_clip"]:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-            weighted, correct, count, weight = dist.sum(parts.weighted_ce.float().reshape(1), parts.correct,
-                                                        parts.count, parts.weight)
-            step_loss = weighted.item() / supervised  # the global batch's loss, as one process has it
-            if step == 0:
-                first_loss = step_loss
-            window["loss"] += step_loss
-            window["steps"] += 1
-            window["correct"] += correct.cpu()
-            window["count"] += count.cpu()
-            window["weight"] += weight.cpu()
+            lr, step_loss, sums = _train_step(run, batch, supervised, step, cfg, dist)
+            train_log.add(step, step_loss, *sums)
             if (step + 1) % cfg["log_every"] == 0 or step + 1 == steps:
-                final_loss = window["loss"] / window["steps"]
-                record = log_record(step + 1, final_loss, lr, window)
-                log_lines.append(json.dumps(record) + "\n")
+                record = train_log.end_window(step + 1, lr)
                 if main:
-                    log_file.write(log_lines[-1])
+                    log_file.write(train_log.lines[-1])
                     log_file.flush()
-                    log.info("step %d loss %.4f acc %.3f expected acceptance %.2f lr %.2e", step + 1, final_loss,
-                             record["acc"], record["expected_acceptance"], lr)
-                    bar.set_postfix(loss=f"{final_loss:.3f}", refresh=False)
-                window = new_window(B)
+                    log.info("step %d loss %.4f acc %.3f expected acceptance %.2f lr %.2e", step + 1,
+                             train_log.final_loss, record["acc"], record["expected_acceptance"], lr)
+                    bar.set_postfix(loss=f"{train_log.final_loss:.3f}", refresh=False)
             if cfg["save_every"] and (step + 1) % cfg["save_every"] == 0 and step + 1 < steps:
-                model_state, optim_state = dist.full_state(model, optimizer)
-                if main:
-                    save_resume_point(resume, {
-                        "fingerprint": fingerprint, "step": step + 1, "model": model_state, "optimizer": optim_state,
-                        "generator": draws["generator"], "torch_rng": torch.get_rng_state(),
-                        "rows": draws["rows"], "first_loss": first_loss, "final_loss": final_loss,
-                        "log_lines": log_lines, "window": {k: v for k, v in window.items() if k != "t0"}})
-                dist.barrier()
+                _write_resume_point(resume, fingerprint, step + 1, run, dist, draws, train_log)
 
-        model_state, _ = dist.full_state(model, optimizer)
+        model_state, _ = dist.full_state(run.model, run.optimizer)
         seconds = time.time() - start
         if main:
-            write_drafter_state(model_state, config, tmp)
-            state = {"steps": steps, "first_loss": first_loss, "final_loss": final_loss, "seconds": seconds,
-                     "resumed_from_step": step0, "processes": dist.world, "cfg": cfg, "data": data.summary}
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+            _write_checkpoint(tmp, model_state, run.config, cfg, train_log, step0, seconds, dist.world, data.summary)
     if main and resume.exists():  # the checkpoint is in place: nothing left to resume
-        for point in resume.glob("step-*.pt"):  # only what save_resume_point wrote
-            point.unlink()
-        with contextlib.suppress(OSError):  # a folder holding anything else is left as it is
-            resume.rmdir()
+        remove_resume_points(resume)
     dist.barrier()
     dist.close()
-    return {"steps": steps, "final_loss": final_loss, "first_loss": first_loss,
+    return {"steps": steps, "final_loss": train_log.final_loss, "first_loss": train_log.first_loss,
             "rows": data.summary["trainable_rows"], "tokens": data.summary["trainable_tokens"],
             "seconds": seconds, "resumed_from_step": step0}
+
+
+@dataclass
+class Run:
+    """What set-up builds for the steps: the drafter (wrapped for the processes: DDP, FSDP), the
+    target's frozen embedding and lm_head it drafts through, its optimizer, and the step's autocast."""
+    target_config: PretrainedConfig
+    config: Qwen3Config
+    model: torch.nn.Module
+    io: TargetIO
+    optimizer: Optimizers
+    autocast: AbstractContextManager
+
+
+def _set_up(cfg: dict, target_dir: Path, dist: Distributed, log: logging.Logger) -> Run:
+    target_config = AutoConfig.from_pretrained(target_dir).get_text_config()
+    if cfg["hidden_states"] == "online":  # the target runs here: stop now, not after minutes of loading
+        check_fast_kernels(target_config, dist.device, cfg["fast_kernels"], log)
+    config = drafter_config(cfg, target_config)
+    if dist.rank == 0:  # before the hours of training, not after
+        for problem in serving_problems(config.to_dict()):
+            log.warning("serving: %s", problem)
+    model = DFlashDraftModel(config).to(dist.device)
+    io = TargetIO.from_pretrained(target_dir).to(dist.device, torch.float32)
+    log.info("drafter: %d layers, %.2fM trainable params, target layers %s, block %d, %d process(es)",
+             config.num_hidden_layers, sum(p.numel() for p in model.parameters()) / 1e6,
+             config.dflash_config["target_layer_ids"], config.block_size, dist.world)
+    model = dist.wrap(model, cfg["parallel"])
+    optimizer = make_optimizer(model, cfg["lr"], cfg["weight_decay"], cfg["optimizer"])
+    # bf16 matmuls on GPU; the weights, optimizer and loss stay fp32
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dist.device.type == "cuda" else nullcontext()
+    return Run(target_config, config, model, io, optimizer, autocast)
+
+
+def _online_target(target_dir: Path, device: torch.device) -> torch.nn.Module:
+    """The frozen target, to compute each drawn row's features (``hidden_states: online``)."""
+    from dflash.models import load_target
+
+    online = load_target(target_dir, torch.bfloat16 if device.type == "cuda" else torch.float32)[0].to(device)
+    online.requires_grad_(False)
+    return online
+
+
+def _batch_maker(data: ShardData, rows: RowOrder, generator: torch.Generator, run: Run, cfg: dict,
+                 dist: Distributed) -> Callable[[], tuple[Batch, int, dict]]:
+    B, per_rank, greedy = run.config.block_size, cfg["batch_size"], cfg["loss"]["labels"] == "target"
+    mine = slice(dist.rank * per_rank, (dist.rank + 1) * per_rank)
+    pin = dist.device.type == "cuda"  # page-locked, so the copy to the GPU can run without blocking the loop
+    pin_device = torch.cuda.current_device() if pin else None
+
+    def next_batch() -> tuple[Batch, int, dict]:
+        """The next step's batch, the supervised slots of the global batch (the loss's
+        denominator on every rank), and the draw state a resume point after that step stores
+        (the prefetch thread has drawn further by then)."""
+        # all ranks draw the whole global batch, so their generators stay equal; each trains its slice
+        batch_rows = [data.rows[next(rows)] for _ in range(per_rank * dist.world)]
+        anchors = [sample_anchors(r.loss_mask, cfg["num_anchors"], generator) for r in batch_rows]
+        draws = {"generator": generator.get_state(), "rows": rows.state_dict()}
+        supervised = sum(int(supervision(r.loss_mask, a[:, None] + torch.arange(B)).sum())
+                         for r, a in zip(batch_rows, anchors))
+        outputs = [data.target_outputs(r) for r in batch_rows[mine]]
+        batch = make_batch(batch_rows[mine], [f for f, _ in outputs], anchors[mine], B,
+                           run.config.dflash_config["mask_token_id"], [g for _, g in outputs] if greedy else None)
+        if pin:
+            # a new thread's current device is GPU 0: pinning there would open a context on it from every rank
+            torch.cuda.set_device(pin_device)
+            batch = batch.pin_memory()
+        return batch, supervised, draws
+
+    return next_batch
+
+
+def _train_step(run: Run, batch: Batch, supervised: int, step: int, cfg: dict,
+                dist: Distributed) -> tuple[float, float, list[torch.Tensor]]:
+    """One optimizer step on this rank's slice of the global batch: its lr, the global batch's loss,
+    and the global batch's per-position sums (correct, count, weight)."""
+    batch = batch.to(dist.device, non_blocking=dist.device.type == "cuda")
+    if cfg["feature_noise"]:
+        add_feature_noise(batch, cfg["feature_noise"], cfg["seed"], step, dist.rank * cfg["batch_size"])
+    lr = lr_at(step, cfg["steps"], cfg["lr"], cfg["warmup_ratio"], cfg["min_lr_ratio"])
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+
+    with run.autocast:
+        loss, parts = draft_loss(run.model, run.io, batch, run.config.block_size, cfg["loss"], supervised,
+                                 dist.world, chunk_tokens=cfg["loss_chunk_tokens"])
+    loss.backward()
+    if cfg["grad_clip"]:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg["grad_clip"])
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+
+    weighted, *sums = dist.sum(parts.weighted_ce.float().reshape(1), parts.correct, parts.count, parts.weight)
+    return lr, weighted.item() / supervised, sums  # the global batch's loss, as one process has it
+
+
+def _resumed(state: dict, run: Run, dist: Distributed, generator: torch.Generator, rows: RowOrder,
+             train_log: TrainLog) -> int:
+    """Continue from a resume point: the step it was written after."""
+    dist.load_full_state(run.model, run.optimizer, state["model"], state["optimizer"])
+    generator.set_state(state["generator"])
+    torch.set_rng_state(state["torch_rng"])
+    rows.load_state_dict(state["rows"])
+    train_log.load_state_dict(state)
+    return state["step"]
+
+
+def _write_resume_point(resume: Path, fingerprint: str, step: int, run: Run, dist: Distributed, draws: dict,
+                        train_log: TrainLog) -> None:
+    """Rank 0's, which serves every rank: they all draw the same rows and anchors."""
+    model_state, optim_state = dist.full_state(run.model, run.optimizer)
+    if dist.rank == 0:
+        save_resume_point(resume, {
+            "fingerprint": fingerprint, "step": step, "model": model_state, "optimizer": optim_state,
+            "generator": draws["generator"], "torch_rng": torch.get_rng_state(), "rows": draws["rows"],
+            **train_log.state_dict()})
+    dist.barrier()
+
+
+def _write_checkpoint(tmp: Path, model_state: dict, config: Qwen3Config, cfg: dict, train_log: TrainLog,
+                      step0: int, seconds: float, processes: int, data: dict) -> None:
+    write_drafter_state(model_state, config, tmp)
+    state = {"steps": cfg["steps"], "first_loss": train_log.first_loss, "final_loss": train_log.final_loss,
+             "seconds": seconds, "resumed_from_step": step0, "processes": processes, "cfg": cfg, "data": data}
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+
+
+class TrainLog:
+    """What train_log.jsonl holds of a run so far, and what its next line sums: the steps since the
+    last line (the window)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.first_loss = self.final_loss = float("nan")
+        self.lines: list[str] = []
+        self.window = new_window(block_size)
+
+    def add(self, step: int, loss: float, correct: torch.Tensor, count: torch.Tensor, weight: torch.Tensor) -> None:
+        if step == 0:
+            self.first_loss = loss
+        self.window["loss"] += loss
+        self.window["steps"] += 1
+        self.window["correct"] += correct.cpu()
+        self.window["count"] += count.cpu()
+        self.window["weight"] += weight.cpu()
+
+    def end_window(self, step: int, lr: float) -> dict:
+        """The line for the window that ends after ``step`` steps (appended to ``lines``)."""
+        self.final_loss = self.window["loss"] / self.window["steps"]
+        record = log_record(step, self.final_loss, lr, self.window)
+        self.lines.append(json.dumps(record) + "\n")
+        self.window = new_window(self.block_size)
+        return record
+
+    def state_dict(self) -> dict:
+        return {"first_loss": self.first_loss, "final_loss": self.final_loss, "log_lines": self.lines,
+                "window": {k: v for k, v in self.window.items() if k != "t0"}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.first_loss, self.final_loss = state["first_loss"], state["final_loss"]
+        self.lines, self.window = state["log_lines"], {**state["window"], "t0": time.time()}
 
 
 def new_window(block_size: int) -> dict:

@@ -17,8 +17,9 @@ from dflash.drafter import TargetIO, load_drafter
 from dflash.hidden import features_and_greedy
 from dflash.io import OUTPUT_MARK
 from dflash.objective import HeadCE
-from dflash.train import (Batch, Row, add_feature_noise, anchor_candidates, draft_loss, lr_at, make_batch,
-                          make_optimizer, resolve_cfg, sample_anchors, train)
+from dflash.batches import Batch, Row, add_feature_noise, anchor_candidates, make_batch, sample_anchors
+from dflash.optim import lr_at, make_optimizer
+from dflash.train import draft_loss, resolve_cfg, train
 from tests.test_drafter import reference  # noqa: F401 (fixture)
 
 
@@ -350,10 +351,10 @@ def test_train_is_deterministic_with_or_without_prefetch(tiny_target_dir, shards
 
 @pytest.mark.parametrize("adjust", ["match_rms_adamw", "original", None])
 def test_muon_on_a_cpu_takes_torch_s_step_in_float32(adjust):
-    """dflash.train.Muon off CUDA: torch's update (momentum, Nesterov, Newton-Schulz, lr adjustment,
+    """dflash.optim.Muon off CUDA: torch's update (momentum, Nesterov, Newton-Schulz, lr adjustment,
     decay) with the orthogonalization in float32, so it differs from torch's by the rounding of
     torch's bfloat16 only; the same state, so the two load each other's."""
-    from dflash.train import Muon
+    from dflash.optim import Muon
 
     torch.manual_seed(0)
     start = [torch.randn(96, 128), torch.randn(256, 64)]  # wide and tall
