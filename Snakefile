@@ -11,7 +11,7 @@ from dflash.config import ConfigError, check_config, demo_sized_problem, read_ya
 from dflash.dialects import DIALECTS
 from dflash.pilot import toggle_problem
 from dflash.hidden_cache import HIDDEN_FORMAT, layer_selection
-from dflash.prompts import prompt_check_settings
+from dflash.prompt_checks import prompt_check_settings
 from dflash.resume import record_settings
 from dflash.workflow import demo_target_sources, shard_ids, target_dir
 

@@ -64,8 +64,8 @@ from dflash.hidden import capture_shard
 from dflash.hidden_cache import HIDDEN_FORMAT, layer_selection
 from dflash.io import read_jsonl
 from dflash.target import build_target
-from dflash.train import train
-from dflash.workflow import demo_target_sources, drafter_train_cfg
+from dflash.train import drafter_train_cfg, train
+from dflash.workflow import demo_target_sources
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -46,7 +46,8 @@ GENERATOR_VERSION = 3  # bump when the records below change: the cached sets are
 CHILD = """
 import json, resource, sys, time
 from transformers import AutoTokenizer
-from dflash.prompts import PromptChecks, build_prompts
+from dflash.prompt_checks import PromptChecks
+from dflash.prompts import build_prompts
 sources, out, tokenizer = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 checks = PromptChecks(AutoTokenizer.from_pretrained(tokenizer), 32768, 4096, True, "drop")
 loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -209,7 +209,7 @@ def main() -> None:
     from dflash.config import load_config
     from dflash.eval import encode_prompts, evaluate, load_target, settings
     from dflash.io import read_jsonl
-    from dflash.workflow import drafter_train_cfg
+    from dflash.train import drafter_train_cfg
 
     config = load_config(a.config)
     tokenized = sorted((a.results / "tokenized").glob("shard-*.safetensors"))

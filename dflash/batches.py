@@ -22,7 +22,8 @@ from typing import TypeVar
 import torch
 
 from dflash.hidden import cached_features, check_token_ids, features_and_greedy, forward_features
-from dflash.io import load_safetensors, open_safetensors, read_json
+from dflash.io import read_json
+from dflash.tensors import load_safetensors, open_safetensors
 from dflash.objective import block_labels, supervision
 
 

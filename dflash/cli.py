@@ -16,11 +16,12 @@ from dflash.config import ConfigError, defaults, load_config
 from dflash.dialects import LOGGING_SERVERS
 from dflash.errors import debug_requested, describe
 from dflash.vocabulary import CATEGORIES, TOOL_CATEGORY
-from dflash.workflow import demo_target_sources, drafter_train_cfg, set_threads, setup_logging
+from dflash.workflow import demo_target_sources, set_threads, setup_logging
 
 
 def _prompts(cfg, a):
-    from dflash.prompts import build_prompts, prompt_check_settings, prompt_checks
+    from dflash.prompt_checks import prompt_check_settings, prompt_checks
+    from dflash.prompts import build_prompts
     from dflash.workflow import target_dir
 
     target = a.target or target_dir(cfg)
@@ -70,7 +71,7 @@ def _hidden(cfg, a):
 
 
 def _train(cfg, a):
-    from dflash.train import train
+    from dflash.train import drafter_train_cfg, train
 
     train(a.tokenized, a.hidden or None, a.target, a.out,
           {**drafter_train_cfg(cfg, a.target), "fast_kernels": cfg["target"]["fast_kernels"]})

@@ -33,7 +33,8 @@ from transformers.activations import ACT2FN
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from dflash.hidden_cache import build_target_layer_ids
-from dflash.io import atomic_path, load_safetensors, open_safetensors, read_json, save_safetensors
+from dflash.io import atomic_path, read_json
+from dflash.tensors import load_safetensors, open_safetensors, save_safetensors
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 WEIGHTS_NAME = "model.safetensors"

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import torch
 
+from dflash.config import defaults
 from dflash.hidden_cache import HIDDEN_FORMAT, resolve_layer_ids
 from dflash.io import read_json
+from dflash.tensors import load_safetensors, save_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -133,20 +135,23 @@ def check_token_ids(tokenized_path: Path, input_ids: torch.Tensor, offsets: torc
 
 
 def capture_shard(tokenized_path: Path, out_path: Path, target_dir: Path, layers: dict,
-                  dtype: str = "bfloat16", device: str = "auto", fast_kernels: str = "require") -> dict:
+                  dtype: str | None = None, device: str = "auto", fast_kernels: str | None = None) -> dict:
     """Selected-layer features of every token of every row of a tokenized shard, and the
     target's greedy next token after each (the labels of ``train.loss.labels: target``).
 
     Writes ``hidden_states`` [T_total, k, H] and ``target_argmax`` [T_total] (int32) aligned with
     the tokenized shard's flat ``input_ids`` (which are stored again, with ``offsets``, so a cache
-    can be checked against its rows). On CUDA the target runs in bfloat16.
+    can be checked against its rows). On CUDA the target runs in bfloat16. ``dtype`` and
+    ``fast_kernels``: ``hidden.dtype`` and ``target.fast_kernels``, the schema's when not given.
     """
     from transformers import AutoConfig
 
-    from dflash.io import atomic_path, load_safetensors, save_safetensors
+    from dflash.io import atomic_path
     from dflash.models import check_fast_kernels, load_target, pick_device
     from dflash.workflow import progress
 
+    dtype = dtype or defaults("hidden")["dtype"]
+    fast_kernels = fast_kernels or defaults("target")["fast_kernels"]
     rows = load_safetensors(tokenized_path, ("input_ids", "offsets"), "a tokenized shard")
     input_ids, offsets = rows["input_ids"], rows["offsets"]
     on = pick_device(device)

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from dflash.config import defaults
-from dflash.io import check_zstd, iter_jsonl, open_safetensors, read_json
+from dflash.io import check_zstd, iter_jsonl, read_json
+from dflash.tensors import open_safetensors
 from dflash.storage import local_copy
 from dflash.vocabulary import CATEGORIES
 

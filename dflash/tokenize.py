@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from dflash.chat import output_body, render_conversation, render_prompt, stop_token_ids
-from dflash.io import atomic_files, json_text, naming_full_disk, save_safetensors
+from dflash.io import atomic_files, json_text, naming_full_disk
+from dflash.tensors import save_safetensors
 from dflash.records import checked_records
 from dflash.workflow import progress
 

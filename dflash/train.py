@@ -54,7 +54,7 @@ from dflash.parallel import Distributed
 from dflash.serving import serving_problems
 from dflash.train_resume import (newest_resume_point, remove_resume_points, resume_dir, run_fingerprint,
                                  save_resume_point)
-from dflash.workflow import CONSOLE_FD, drafter_train_cfg, job_console, progress
+from dflash.workflow import CONSOLE_FD, job_console, progress
 
 ARCH_KEYS = ("num_layers", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "block_size",
              "mask_token_id", "target_layer_ids", "layer_types", "sliding_window")
@@ -71,6 +71,23 @@ def drafter_config(cfg: dict, target_config) -> Qwen3Config:
         if arch[key] is None:
             arch[key] = getattr(target_config, target_key)
     return make_draft_config(target_config, **arch)
+
+
+def drafter_train_cfg(config: dict, target: str | Path) -> dict:
+    """The trainer's settings: the ``drafter`` and ``train`` sections, with the mask token
+    resolved to an id of the target's tokenizer when only its string is configured."""
+    drafter = dict(config["drafter"])
+    token = drafter.pop("mask_token")
+    if drafter["mask_token_id"] is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        mask_id = tokenizer.convert_tokens_to_ids(token)
+        if mask_id is None or mask_id == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(mask_id) != token:
+            raise ValueError(f"drafter.mask_token {token!r} is not a token of {target}; set drafter.mask_token_id")
+        drafter["mask_token_id"] = mask_id
+    train = {k: v for k, v in config["train"].items() if k != "gpus"}  # how many processes: the launcher's business
+    return {**drafter, **train}
 
 
 def planned_drafter_config(drafter: dict, target_dir: str | Path) -> Qwen3Config:

@@ -201,20 +201,3 @@ def _console_bar():
                   flush=True)
 
     return ConsoleBar
-
-
-def drafter_train_cfg(config: dict, target: str | Path) -> dict:
-    """The trainer's settings: the ``drafter`` and ``train`` sections, with the mask token
-    resolved to an id of the target's tokenizer when only its string is configured."""
-    drafter = dict(config["drafter"])
-    token = drafter.pop("mask_token")
-    if drafter["mask_token_id"] is None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(target)
-        mask_id = tokenizer.convert_tokens_to_ids(token)
-        if mask_id is None or mask_id == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(mask_id) != token:
-            raise ValueError(f"drafter.mask_token {token!r} is not a token of {target}; set drafter.mask_token_id")
-        drafter["mask_token_id"] = mask_id
-    train = {k: v for k, v in config["train"].items() if k != "gpus"}  # how many processes: the launcher's business
-    return {**drafter, **train}

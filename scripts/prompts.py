@@ -2,7 +2,8 @@ from dflash.workflow import start_job
 
 start_job(snakemake)
 
-from dflash.prompts import build_prompts, prompt_checks  # noqa: E402
+from dflash.prompt_checks import prompt_checks  # noqa: E402
+from dflash.prompts import build_prompts  # noqa: E402
 
 build_prompts(snakemake.params.sources, snakemake.output[0], snakemake.params.shard_size,
               prompt_checks(snakemake.input.target, snakemake.params.checks))

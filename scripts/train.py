@@ -1,8 +1,8 @@
-from dflash.workflow import drafter_train_cfg, start_job
+from dflash.workflow import start_job
 
 start_job(snakemake)
 
-from dflash.train import train, train_processes  # noqa: E402
+from dflash.train import drafter_train_cfg, train, train_processes  # noqa: E402
 
 i = snakemake.input
 cfg = drafter_train_cfg({"drafter": snakemake.params.drafter, "train": snakemake.params.train}, i.target)

@@ -72,6 +72,22 @@ def test_every_schema_names_the_same_categories_splits_and_reason_codes():
     assert set(properties("config")["validate"]["properties"]["checks"]["properties"]) == set(CHECKS)
 
 
+def test_the_core_modules_import_no_stage():
+    """docs/design.md's layers: the core modules (files, config, record words, formats, job
+    plumbing) import only each other, lazily too, so any stage, report or command can read them."""
+    import ast
+
+    core = {"io", "tensors", "config", "records", "vocabulary", "loops", "toolcalls", "dialects", "chat", "errors",
+            "storage", "units", "workflow", "charts"}
+    for name in core:
+        tree = ast.parse((ROOT / "dflash" / f"{name}.py").read_text())
+        imported = {n.module.split(".")[1] for n in ast.walk(tree)
+                    if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("dflash.")}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "dflash"
+                     for a in n.names}
+        assert imported <= core, (name, imported - core)
+
+
 def test_misspelled_key_names_key_file_and_suggestion(tmp_path):
     raw = yaml.safe_load((ROOT / "config.yaml").read_text())
     raw["generate"]["samplng"] = raw["generate"].pop("sampling")

@@ -15,7 +15,8 @@ import yaml
 from dflash.cli import main
 from dflash.config import ConfigError, check_config, load_config, read_yaml
 from dflash.io import OUTPUT_MARK, atomic_dir, read_json, read_jsonl, umask, write_jsonl_zst
-from dflash.prompts import PromptChecks, build_prompts
+from dflash.prompt_checks import PromptChecks
+from dflash.prompts import build_prompts
 from tests.conftest import ROOT
 from tests.test_tokenize import validated
 from tests.test_validate import record

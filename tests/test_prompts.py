@@ -149,7 +149,7 @@ def test_record_schemas_catch_bad_records():
 
 
 def checks(target, **settings):
-    from dflash.prompts import PromptChecks
+    from dflash.prompt_checks import PromptChecks
 
     return PromptChecks(target[1], **{"context_length": 32768, "max_tokens": 256, "thinking": True,
                                       "special_tokens": "drop", **settings})
@@ -196,7 +196,7 @@ def test_special_tokens_in_content_are_caught(tmp_path, target, action, kept, fl
 
 
 def test_special_tokens_in_tool_calls_and_definitions_too(target):
-    from dflash.prompts import PromptChecks
+    from dflash.prompt_checks import PromptChecks
 
     found = checks(target).special_token
     call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
@@ -362,7 +362,8 @@ MEMORY_CHILD = textwrap.dedent("""
     import json, sys
     import dflash.prompts
     from transformers import AutoTokenizer
-    from dflash.prompts import PromptChecks, build_prompts
+    from dflash.prompt_checks import PromptChecks
+    from dflash.prompts import build_prompts
     dflash.prompts.BUCKET_BYTES = 1 << 20  # the stage's 32 MB, scaled down with the input
     checks = PromptChecks(AutoTokenizer.from_pretrained(sys.argv[3]), 32768, 256, True)
     m = build_prompts([{"name": "s", "path": sys.argv[1], "category": "chat"}], sys.argv[2], 500, checks)

@@ -24,8 +24,7 @@ from dflash.eval import encode_prompts, evaluate, run_eval
 from dflash.io import read_json, write_jsonl_zst
 from dflash.prompts import read_source
 from tests.helpers import vllm_cpu_command
-from dflash.train import train
-from dflash.workflow import drafter_train_cfg
+from dflash.train import drafter_train_cfg, train
 from tests.test_train import write_shards
 
 pytestmark = pytest.mark.slow
