@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from dflash.chat import finish_reason, output_body, served_output, split_reasoning, stop_token_ids
+from dflash.chat import finish_reason, output_body, served_output, stop_token_ids
 from dflash.io import write_jsonl_zst
 from dflash.prompts import read_source
+from dflash.records import make_completion
 
 
 def adopted_record(prompt: dict, tokenizer, stop_ids: set[int]) -> dict:
@@ -32,18 +33,12 @@ def adopted_record(prompt: dict, tokenizer, stop_ids: set[int]) -> dict:
     else:
         text, verbatim = served_output(prompt, imp["message"], thinking, finish, imp["server"], imp["tool_format"],
                                        tokenizer)
-    reasoning, content = split_reasoning(text, thinking)
-    return {"id": prompt["id"], "prompt_id": prompt["id"],
-            **{k: prompt[k] for k in ("source", "category", "messages", "tools")},
-            "text": text, "reasoning": reasoning, "content": content, "finish_reason": finish,
-            "prompt_token_ids": imp["prompt_token_ids"] if has_ids else None,
-            "output_token_ids": imp["output_token_ids"] if has_ids else None,
-            "usage": {"prompt_tokens": usage.get("prompt_tokens") or 0,
-                      "completion_tokens": usage.get("completion_tokens") or 0},
-            "generation": {"backend": "imported", "engine_version": imp["server"], "model": imp["model"],
-                           "sampling": imp["sampling"], "enable_thinking": thinking,
-                           "reconstructed": not has_ids, "verbatim": verbatim},
-            "error": None}
+    generation = {"backend": "imported", "engine_version": imp["server"], "model": imp["model"],
+                  "sampling": imp["sampling"], "enable_thinking": thinking, "reconstructed": not has_ids,
+                  "verbatim": verbatim}
+    return make_completion(prompt, text, finish, generation,
+                           token_ids=(imp["prompt_token_ids"], imp["output_token_ids"]) if has_ids else (None, None),
+                           usage=(usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0))
 
 
 def adopt_files(paths: list[str], out_path, tokenizer, options: dict) -> dict:

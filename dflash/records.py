@@ -1,4 +1,5 @@
-"""JSON Schemas of the record kinds (``dflash/schemas/*.schema.yaml``), for checking any shard.
+"""The record kinds: their JSON Schemas (``dflash/schemas/*.schema.yaml``), for checking any
+shard, and the completion record's one constructor (``make_completion``).
 
 Every stage reads its input records through ``checked_records``: a record of the wrong kind or
 shape (a prompts shard given to tokenize, a completion without ``text``) is one line naming the
@@ -16,6 +17,7 @@ from typing import Callable, Iterator
 import fastjsonschema
 import yaml
 
+from dflash.chat import split_reasoning
 from dflash.io import iter_jsonl_lines
 
 KINDS = {"prompt": "prompt.schema.yaml", "completion": "completion.schema.yaml"}
@@ -53,3 +55,19 @@ def checked_records(path: str | Path, kind: str, expected: str,
             raise ValueError(f"{path}:{n}: record {rec.get('id', '(no id)')}: {problem}: not a {kind} record; "
                              f"{expected}")
         yield line, rec
+
+
+def make_completion(prompt: dict, text: str, finish_reason: str, generation: dict, *, step: int = 0,
+                    token_ids: tuple[list | None, list | None] = (None, None), usage: tuple[int, int] = (0, 0),
+                    error: str | None = None) -> dict:
+    """A completion record of ``prompt`` (``completion.schema.yaml``), the one constructor the
+    generated, failed and adopted ones share: the model's ``text`` split into reasoning and content
+    as every stage splits it (an error record has neither); step N > 0 of a replayed conversation
+    gets the id ``<prompt id>-gN``."""
+    reasoning, content = (None, "") if error else split_reasoning(text, generation["enable_thinking"])
+    return {"id": f"{prompt['id']}-g{step}" if step else prompt["id"], "prompt_id": prompt["id"],
+            **{k: prompt[k] for k in ("source", "category", "messages", "tools")},
+            "text": text, "reasoning": reasoning, "content": content, "finish_reason": finish_reason,
+            "prompt_token_ids": token_ids[0], "output_token_ids": token_ids[1],
+            "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1]},
+            "generation": generation, "error": error}

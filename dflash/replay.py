@@ -7,7 +7,8 @@ import logging
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from dflash.backends import Generation, ServerDown, TransformersBackend
-from dflash.chat import TokenScreen, split_reasoning
+from dflash.chat import TokenScreen
+from dflash.records import make_completion
 from dflash.toolcalls import parse_tool_calls, text_before_calls
 
 log = logging.getLogger(__name__)
@@ -33,26 +34,19 @@ def completion_record(prompt: dict, backend, sampling: dict, thinking: bool, ste
                       g: Generation | Exception) -> dict:
     """The record of generation ``g`` for ``prompt["messages"]`` (an error record when ``g`` is the
     exception that failed it); step N > 0 of a replayed conversation gets id ``-gN``."""
-    base = {k: prompt[k] for k in ("source", "category", "messages", "tools")}
-    record = {"id": f"{prompt['id']}-g{step}" if step else prompt["id"], "prompt_id": prompt["id"], **base}
     generation = {"backend": backend.name, "engine_version": backend.engine_version, "model": backend.model_name,
                   "sampling": sampling, "enable_thinking": thinking}
     if isinstance(g, Exception):
+        record = make_completion(prompt, "", "error", generation, step=step, error=f"{type(g).__name__}: {g}")
         log.warning("prompt %s failed: %s: %s", record["id"], type(g).__name__, g)
-        return {**record, "text": "", "reasoning": None, "content": "", "finish_reason": "error",
-                "prompt_token_ids": None, "output_token_ids": None,
-                "usage": {"prompt_tokens": 0, "completion_tokens": 0},
-                "generation": generation, "error": f"{type(g).__name__}: {g}"}
+        return record
     if g.reconstructed:
         generation["reconstructed"] = True
     if g.loop:
         generation["loop"] = g.loop
         generation["max_tokens_saved"] = sampling["max_tokens"] - g.completion_tokens
-    reasoning, content = split_reasoning(g.text, thinking)
-    return {**record, "text": g.text, "reasoning": reasoning, "content": content, "finish_reason": g.finish_reason,
-            "prompt_token_ids": g.prompt_ids, "output_token_ids": g.output_ids,
-            "usage": {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens},
-            "generation": generation, "error": None}
+    return make_completion(prompt, g.text, g.finish_reason, generation, step=step,
+                           token_ids=(g.prompt_ids, g.output_ids), usage=(g.prompt_tokens, g.completion_tokens))
 
 
 def replay_stop(rec: dict, step: dict | None) -> tuple[str | None, str | None]:
