@@ -83,6 +83,7 @@ onsuccess:
 
 ONLINE = config["train"]["hidden_states"] == "online"
 PILOT = config["pilot"]["enabled"]
+BURST = PILOT and config["pilot"]["train_steps"] > 0  # the pilot's training burst (rules/pilot.smk)
 if not STORED and (problem := toggle_problem(OUT, PILOT)):  # every shard would be generated again
     stop(problem)
 PLANNED = PILOT or bool(config["plan"]["mean_output_tokens"])  # something to forecast output tokens from
@@ -127,8 +128,8 @@ include: "rules/target.smk"
 include: "rules/generate.smk"
 include: "rules/validate.smk"
 include: "rules/tokenize.smk"
-include: "rules/pilot.smk"
 include: "rules/hidden.smk"
+include: "rules/pilot.smk"  # after hidden: its burst reads the pilot's hidden states (use rule hidden)
 include: "rules/train.smk"
 include: "rules/eval.smk"
 include: "rules/report.smk"

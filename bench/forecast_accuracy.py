@@ -5,7 +5,10 @@ folder, then compares what results/plan.json forecast from the pilot with what t
 measured: total output tokens (every completion record's usage) and generation time (the
 generate jobs' own seconds, the pilot's included: model loading is no generation). The
 generation rate is the pilot's (one job, one thread); the full run's jobs run --cores at a time,
-each on one thread, so their own seconds add up to the forecast's serial time.
+each on one thread, so their own seconds add up to the forecast's serial time. And training: the
+pilot's training burst (pilot.train_steps on its rows, its set-up and seconds per step) against
+the train job's wall time (its benchmark file: the process start and imports included, which
+the forecast leaves out) for the demo's train.steps.
 
 Usage:
     .venv/bin/python bench/forecast_accuracy.py [--cores 2] [--keep DIR]
@@ -58,8 +61,15 @@ def main() -> None:
     print(f"generation time: forecast {local['hours'] * 3600:,.1f} s at the pilot's "
           f"{pilot['throughput']['output_tokens_per_s']:,.1f} tok/s, measured {seconds:,.1f} s over "
           f"{len(shards)} shards + pilot -> error {local['hours'] * 3600 / seconds - 1:+.1%}")
+    training = plan["gpu_stages"]["kinds"]["local"]["training"]
+    run = next(iter((res / "checkpoints").glob("*/trainer_state.json")))
+    job = float((res / "benchmarks" / "train" / f"{run.parent.name}.tsv").read_text().splitlines()[1].split()[0])
+    forecast = training["hours"] * 3600
+    print(f"training: forecast {forecast:,.1f} s ({training['setup_seconds']:.1f} s set-up + {read_json(run)['steps']} "
+          f"steps x {training['seconds_per_step']:.3g} s, {training['from']}), measured {job:,.1f} s (the train job; "
+          f"{read_json(run)['seconds']:,.1f} s in its loop) -> error {forecast / job - 1:+.1%}")
     print(json.dumps({"tokens_error": plan["output_tokens"] / tokens - 1,
-                      "time_error": local["hours"] * 3600 / seconds - 1}))
+                      "time_error": local["hours"] * 3600 / seconds - 1, "training_error": forecast / job - 1}))
     if not a.keep:
         shutil.rmtree(work)
 

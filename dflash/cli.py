@@ -169,14 +169,15 @@ def _plan(cfg, a):
 
     if a.prompts is not None:
         counts = {"prompts": int(a.prompts), "categories": {"given": int(a.prompts)},
-                  "shards": -(-int(a.prompts) // cfg["prompts"]["shard_size"]), "from": "--prompts"}
+                  "shards": -(-int(a.prompts) // cfg["prompts"]["shard_size"]), "from": "--prompts",
+                  "heldout": None if a.heldout is None else int(a.heldout)}
     else:
         counts = prompt_counts(cfg)
     out = Path(cfg["output_dir"])
     pilot = a.pilot or out / "pilot" / "summary.json"
-    state = out / "checkpoints" / cfg["run"] / "trainer_state.json"
-    plan = forecast(cfg, counts, read_json(pilot) if pilot.exists() and a.output_tokens is None else None,
-                    a.output_tokens, read_json(state) if state.exists() else None, a.target or target_dir(cfg))
+    measured = read_json(pilot) if pilot.exists() else None
+    plan = forecast(cfg, counts, measured if a.output_tokens is None else None, a.output_tokens,
+                    a.target or target_dir(cfg), (measured or {}).get("train_burst"))
     print("\n".join(plan_lines(plan)))
     if a.json:
         write_json(a.json, plan)
@@ -319,6 +320,7 @@ def add_stages(sub, common: argparse.ArgumentParser) -> None:
     stage("plan", _plan, "forecast output tokens, hours, cost, sizes and jobs per node kind (before renting)",
           ("--prompts", {"type": amount, "help": "training prompts (default: the manifest, else the sources counted)"}),
           ("--output-tokens", {"type": amount, "help": "total output tokens, e.g. 1.64e9 (default: from the pilot)"}),
+          ("--heldout", {"type": amount, "help": "held-out prompts the eval decodes, with --prompts (default: unknown)"}),
           ("--pilot", {"type": Path, "help": "the pilot's summary (default: <output_dir>/pilot/summary.json if there)"}),
           ("--target", {"type": Path, "help": "target model folder, to size the hidden-state cache (default: the config's)"}),
           ("--json", {"type": Path, "help": "also write the plan as JSON here"}))

@@ -100,10 +100,11 @@ def _per_prompt(records: list[dict]) -> dict[str, int]:
 
 
 def summarize_pilot(selection: Path, generated: Path, completions: Path, qa: Path, index: Path, gates: dict,
-                    gpus: int | None) -> dict:
+                    gpus: int | None, burst: Path | None = None) -> dict:
     """What the pilot measured: per category the prompts it stands for, output tokens per record
     (mean, sd, percentiles, share cut at max_tokens), rejects per reason; the throughput seen (per
-    GPU when ``gpus`` is known); bytes per record; tokens per tokenized row; the gates' verdicts."""
+    GPU when ``gpus`` is known); bytes per record; tokens per tokenized row; the gates' verdicts;
+    the training burst's step rate (``burst``, dflash.burst)."""
     from dflash.gates import evaluate_gates, qa_summary
 
     table = read_json(selection)["strata"]
@@ -146,9 +147,12 @@ def summarize_pilot(selection: Path, generated: Path, completions: Path, qa: Pat
         "bytes_per_output_token": round(Path(completions).stat().st_size / max(1, _output_tokens(records)), 3),
         "records_per_prompt": round(len(records) / max(1, len({r["prompt_id"] for r in records})), 4),
         "tokens_per_row": round(tokens.get("tokens", 0) / max(1, tokens.get("rows", 0)), 1),
+        # the answer's tokens of a row, which the drafter's blocks anchor on (the training forecast)
+        "supervised_per_row": round(tokens.get("trainable_tokens", 0) / max(1, tokens.get("rows", 0)), 1),
         "rows_per_record": round(tokens.get("rows", 0) / max(1, len(records)), 4),
         "gates": evaluate_gates(summary, gates),
         "loop_aborts": gen.get("loop_aborts") or NO_LOOP_ABORTS,
+        "train_burst": read_json(burst) if burst else None,
     }
 
 
@@ -168,6 +172,9 @@ def pilot_lines(p: dict) -> list[str]:
                         if c["rejected_by_reason"] else ""))
     if (a := p.get("loop_aborts", NO_LOOP_ABORTS))["records"]:
         lines.append(f"  loop aborts: {loop_abort_text(a, t['output_tokens'])}")
+    if b := p.get("train_burst"):
+        lines.append(f"  training burst on {b['kind']}: {b['steps']} steps, {b['seconds_per_step']:.3g} s per step "
+                     f"(hidden states {b['hidden_states']}), {b['setup_seconds']:.0f} s set-up")
     lines += [f"  {'pass' if g['passed'] else 'FAIL'}: {g['message']}" for g in p["gates"]]
     return lines
 

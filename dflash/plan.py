@@ -9,6 +9,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
+from dflash.hidden_cache import text_config
 from dflash.io import read_json
 from dflash.units import human_bytes, human_duration
 
@@ -24,14 +25,20 @@ def prompt_counts(config: dict, manifest: Path | None = None) -> dict:
     manifest = Path(manifest or Path(config["output_dir"]) / "prompts" / "manifest.json")
     if manifest.exists():
         m = read_json(manifest)
-        return {"prompts": m["prompts"], "categories": m["categories"], "shards": len(m["shards"]), "from": str(manifest)}
+        return {"prompts": m["prompts"], "categories": m["categories"], "shards": len(m["shards"]),
+                "heldout": m.get("heldout"), "from": str(manifest)}
     from dflash.prompts import read_source
 
     categories: Counter = Counter()
+    heldout = 0
     for source in config["prompts"]["sources"]:
-        categories.update(r["category"] for r in read_source(source) if r["meta"].get("split") != "heldout")
+        for r in read_source(source):
+            if r["meta"].get("split") == "heldout":
+                heldout += 1
+            else:
+                categories[r["category"]] += 1
     prompts = sum(categories.values())
-    return {"prompts": prompts, "categories": dict(categories),
+    return {"prompts": prompts, "categories": dict(categories), "heldout": heldout,
             "shards": math.ceil(prompts / config["prompts"]["shard_size"]), "from": "the sources, counted"}
 
 
@@ -71,10 +78,13 @@ def _rates(config: dict, pilot: dict | None) -> dict[str, dict]:
 
 
 def forecast(config: dict, counts: dict, pilot: dict | None = None, output_tokens: float | None = None,
-             trainer_state: dict | None = None, target: str | Path | None = None) -> dict:
+             target: str | Path | None = None, burst: dict | None = None) -> dict:
     """The plan: output tokens (with its range), and per node kind and node count the generation
-    hours and cost; completions size, the hidden-state cache (or online mode), training hours
-    and jobs per rule. ``output_tokens``: the user's own total, instead of the pilot's."""
+    hours and cost; completions size, the hidden-state cache (or online mode); the hidden-state,
+    training and eval hours and the whole bill (``dflash.bill``; ``burst``: the pilot's training
+    burst, by default the one in ``pilot``); jobs per rule. ``output_tokens``: the user's own total,
+    instead of the pilot's."""
+    burst = burst or (pilot or {}).get("train_burst")
     prompts = counts["prompts"]
     spread = 0.0
     pilot = pilot if pilot and pilot["records"] else None  # an empty pilot (turned off, or all adopted)
@@ -115,39 +125,44 @@ def forecast(config: dict, counts: dict, pilot: dict | None = None, output_token
                  else STORY_BYTES_PER_OUTPUT_TOKEN)
     sizes = {"completions_bytes": tokens * per_token, "completions_bytes_range": [low * per_token, high * per_token],
              "completions_from": "pilot" if pilot else "the story's 4.42 bytes per output token"}
+    if pilot:
+        kept = 1 - pilot["reject_rate"]
+        row_tokens = prompts * pilot["records_per_prompt"] * kept * pilot["rows_per_record"] * pilot["tokens_per_row"]
+    else:
+        row_tokens = tokens  # prompt tokens unknown: at least the output tokens
+    local = bool(target) and Path(target).exists()  # its folder or its config.json; a hub name: nothing is downloaded
     if config["train"]["hidden_states"] == "online":
         sizes["hidden"] = "train.hidden_states online: no cache"
     else:
-        if pilot:
-            kept = 1 - pilot["reject_rate"]
-            row_tokens = prompts * pilot["records_per_prompt"] * kept * pilot["rows_per_record"] * pilot["tokens_per_row"]
-        else:
-            row_tokens = tokens  # prompt tokens unknown: at least the output tokens
-        if target and Path(target).exists():  # its folder or its config.json
+        if local:
             from dflash.hidden_cache import cache_plan
 
             sizes["hidden"] = cache_plan(config, target, int(row_tokens))["text"]
-        else:  # a hub name: nothing is downloaded to plan
+        else:
             sizes["hidden"] = (f"{row_tokens:.3g} tokens; the target ({target}) is not on this machine: "
                                f"`dflash cache-size --tokens {row_tokens:.3g} --target <its folder or config.json>` sizes the cache")
 
-    training = "not measured: a finished training run's trainer_state.json gives its step rate"
-    if trainer_state and trainer_state.get("seconds"):
-        steps_done = trainer_state["steps"] - (trainer_state.get("resumed_from_step") or 0)
-        rate = steps_done / trainer_state["seconds"]
-        training = {"steps": config["train"]["steps"], "steps_per_s": rate,
-                    "hours": config["train"]["steps"] / rate / 3600 if rate else None}
+    if local:
+        from dflash.bill import gpu_bill
 
-    shards = counts["shards"]
-    launch = config["generate"]["server"]["launch"]
-    jobs = {"prompts": 1, "generate": shards, "validate": shards, "tokenize": shards,
-            **({"serve": math.ceil(shards / launch["shards_per_server"])} if launch else {}),
-            **({"hidden": shards} if config["train"]["hidden_states"] != "online" else {}),
-            "train": 1, "eval_decode": 2 * config["eval"]["jobs"], "eval": 1, "qa_summary": 1, "gate": 1, "report": 1}
+        gpus = gpu_bill(config, kinds, generation, text_config(target), row_tokens, pilot, burst, counts.get("heldout"))
+    else:
+        gpus = {"error": f"the target ({target}) is not on this machine: give --target its folder or config.json "
+                         f"for the training, hidden-state and eval forecasts"}
+
     return {"prompts": prompts, "categories": counts["categories"], "counted_from": counts["from"],
             "output_tokens": tokens, "output_tokens_range": [low, high], "output_tokens_from": tokens_from,
             "loop_abort": loop_abort,
-            "generation": generation, "sizes": sizes, "training": training, "jobs": jobs}
+            "generation": generation, "sizes": sizes, "gpu_stages": gpus, "jobs": _jobs(config, counts["shards"])}
+
+
+def _jobs(config: dict, shards: int) -> dict[str, int]:
+    """Jobs per rule of the whole run."""
+    launch = config["generate"]["server"]["launch"]
+    return {"prompts": 1, "generate": shards, "validate": shards, "tokenize": shards,
+            **({"serve": math.ceil(shards / launch["shards_per_server"])} if launch else {}),
+            **({"hidden": shards} if config["train"]["hidden_states"] != "online" else {}),
+            "train": 1, "eval_decode": 2 * config["eval"]["jobs"], "eval": 1, "qa_summary": 1, "gate": 1, "report": 1}
 
 
 def _count(x: float) -> str:
@@ -190,8 +205,8 @@ def plan_lines(plan: dict) -> list[str]:
     lines.append(f"  completions: {human_bytes(s['completions_bytes'])}"
                  + (f" ({human_bytes(c0)} to {human_bytes(c1)})" if c1 > c0 else "")
                  + f" zstd (from {s['completions_from']}); hidden states: {s['hidden']}")
-    t = plan["training"]
-    lines.append(f"  training: {t}" if isinstance(t, str) else
-                 f"  training: {t['steps']:,} steps at {t['steps_per_s']:.3g} steps/s = {human_duration(t['hours'] * 3600)}")
+    from dflash.bill import bill_lines
+
+    lines += bill_lines(plan["gpu_stages"])
     lines.append("  jobs: " + ", ".join(f"{rule} {n:,}" for rule, n in plan["jobs"].items()))
     return lines

@@ -389,6 +389,7 @@ def log_record(step: int, loss: float, lr: float, window: dict) -> dict:
     correct, count = window["correct"][1:], window["count"][1:]
     position_acc = [(c / n).item() if n > 0 else None for c, n in zip(correct, count)]
     position_weight = [(w / n).item() if n > 0 else None for w, n in zip(window["weight"][1:], count)]
+    seconds = max(time.time() - window["t0"], 1e-9)
     return {
         "step": step,
         "loss": loss,
@@ -397,7 +398,8 @@ def log_record(step: int, loss: float, lr: float, window: dict) -> dict:
         "position_acc": position_acc,
         "position_weight": position_weight,
         "expected_acceptance": expected_acceptance(position_acc),
-        "tokens_per_s": count.sum().item() / max(time.time() - window["t0"], 1e-9),
+        "tokens_per_s": count.sum().item() / seconds,
+        "seconds": round(seconds, 3),  # the window's wall time: the pilot's burst reads its step rate from it
     }
 
 

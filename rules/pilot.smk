@@ -88,6 +88,48 @@ use rule tokenize as pilot_tokenize with:
         f"{BENCH}/pilot/tokenize.tsv"
 
 
+if BURST and not ONLINE:
+
+    use rule hidden as pilot_hidden with:
+        input:
+            tokenized=f"{OUT}/pilot/tokenized.safetensors",
+            target=TARGET_INPUT,
+        output:
+            f"{OUT}/pilot/hidden.safetensors",
+        log:
+            f"{LOGS}/pilot/hidden.log",
+        benchmark:
+            f"{BENCH}/pilot/hidden.tsv"
+
+
+rule pilot_train:
+    """The training burst (pilot.train_steps): the run's drafter and train settings on the pilot's
+    rows, timed (results/pilot/train_burst.json), the step rate the plan prices training with on
+    this node kind. The drafter it trains is made in a temporary folder and thrown away."""
+    input:
+        tokenized=f"{OUT}/pilot/tokenized.safetensors",
+        hidden=f"{OUT}/pilot/hidden.safetensors" if not ONLINE else [],
+        target=TARGET_INPUT,
+    output:
+        f"{OUT}/pilot/train_burst.json",
+    params:
+        drafter=config["drafter"],
+        train=config["train"],
+        steps=config["pilot"]["train_steps"],
+        kind=config["plan"]["pilot_profile"] or "local",
+    threads: config["threads"]
+    resources:
+        gpu=1,  # one process: a data-parallel run's GPUs each take a step of this size
+    log:
+        f"{LOGS}/pilot/train.log",
+    benchmark:
+        f"{BENCH}/pilot/train.tsv"
+    conda:
+        "../envs/torch.yaml"
+    script:
+        "../scripts/pilot_train.py"
+
+
 rule pilot:
     """What the pilot measured (results/pilot/summary.json), printed on the console too: output
     lengths and rejects per category, the throughput seen, the gates' verdicts (not enforced here:
@@ -98,6 +140,7 @@ rule pilot:
         completions=f"{OUT}/pilot/completions.jsonl.zst",
         qa=f"{OUT}/pilot/qa.json",
         index=f"{OUT}/pilot/tokenized.json",
+        burst=f"{OUT}/pilot/train_burst.json" if BURST else [],
     output:
         f"{OUT}/pilot/summary.json",
     params:

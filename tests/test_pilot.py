@@ -51,3 +51,5 @@ def test_the_pilot_forecasts_the_demo_generation_within_10_percent(tmp_path, dem
           f"measured {seconds:.1f} s ({local['hours'] * 3600 / seconds - 1:+.1%})")
     assert abs(plan["output_tokens"] / tokens - 1) <= 0.10
     assert abs(local["hours"] * 3600 / seconds - 1) <= 0.5
+    # the training burst ran with the pilot: the plan prices the demo's training from it
+    assert plan["gpu_stages"]["kinds"]["local"]["training"]["from"] == "measured by the pilot"

@@ -105,6 +105,12 @@ def test_the_pilot_ran_first_and_no_prompt_is_generated_twice(pipeline):
     assert generated["requests"] + sum(s["requests"] for s in shards) == len(records)  # each asked for once
     assert read_json(res / "plan.json")["output_tokens_from"] == "pilot"
     assert "Pilot and plan" in (res / "report" / "summary.html").read_text()
+    # the training burst on the pilot's rows: its step rate prices the training; no drafter of it is left
+    assert pilot["train_burst"]["kind"] == "local" and pilot["train_burst"]["steps"] == 30
+    assert "training burst on local: 30 steps" in out and "(measured by the pilot)" in out
+    assert sorted(p.name for p in (res / "pilot").iterdir() if p.name.startswith((".train", "train"))) == [
+        "train_burst.json"]
+    assert "measured by the pilot" in (res / "report" / "summary.html").read_text()
 
 
 def test_turning_the_pilot_off_after_generation_is_refused(pipeline):

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from dflash.config import load_config
@@ -102,3 +103,73 @@ def test_the_plan_says_what_loop_aborts_saved_in_the_pilot():
         "Loop aborts: 3 looping generations cut after 600 tokens, 20,000 tokens not generated (9.1% of what "
         "generation would have produced); about 0.2 node-hours, $10.00 at this run's rate.")
     assert forecast(cfg, counts, {**pilot, "loop_aborts": {**aborts, "records": 0}})["loop_abort"] is None
+
+
+TINY = {"model_type": "qwen3", "hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+        "intermediate_size": 16, "vocab_size": 32, "num_hidden_layers": 2}
+
+
+def test_the_flops_of_a_training_step_by_hand():
+    """A 2-layer target (hidden 8, 2 heads of 4, 1 kv head, mlp 16, vocab 32) and a 1-layer
+    drafter of its sizes on 2 features, blocks of 4, 3 anchors, 2 rows of 10 tokens (5 answer)."""
+    from dflash.train_cost import step_flops, target_forward_flops, target_matmul_params
+
+    # lm_head 32x8 = 256; mlp 3x8x16 x 2 layers = 768; attention q, k, v, o = 64 + 32 + 32 + 64, x 2 = 384
+    assert target_matmul_params(TINY) == 256 + 768 + 384
+    # 2 x 1408 x 10 tokens, and QK + AV over half of the 10 x 10 square: 2 x 2 heads x 4 x 100 x 2 layers
+    assert target_forward_flops(TINY, 10) == 28_160 + 3_200
+    config = {"drafter": {"num_layers": 1, "block_size": 4, "target_layer_ids": [0, 1], "intermediate_size": None,
+                          "num_heads": None, "num_kv_heads": None, "head_dim": None},
+              "train": {"batch_size": 2, "num_anchors": 3, "hidden_states": "online"}}
+    f = step_flops(config, TINY, 10, 5)
+    assert f["target"] == 2 * 31_360
+    # 24 queries (2 rows x 3 anchors x 4) x (q 64 + o 64 + k 32 + v 32 + mlp 384) + 20 context tokens x
+    # (k 32 + v 32 + fc 2x8x8), forward and backward (x6), and the scores: 2 x 2 x 8 x (10/2 + 4) x 24, x3
+    assert f["drafter"] == 6 * (24 * 576 + 20 * 192) + 3 * 6_912
+    assert f["lm_head"] == 6 * 2 * 3 * 3 * 8 * 32  # 18 supervised positions through the 8 x 32 head, x6
+    assert f["total"] == 62_720 + 126_720 + 27_648
+    config["train"]["hidden_states"] = "offline"
+    assert step_flops(config, TINY, 10, 5)["target"] == 0
+
+
+def test_the_target_count_is_the_tiny_targets_own_weights():
+    """The formula against the demo target's safetensors: every weight a token is multiplied by
+    (all but the embedding, a lookup, and the norms' and gates' vectors)."""
+    import math
+
+    from dflash.hidden_cache import text_config
+    from dflash.tensors import open_safetensors
+    from dflash.train_cost import target_matmul_params
+
+    target = ROOT / "data/demo/target"
+    with open_safetensors(target / "model.safetensors") as f:
+        weights = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys()
+                      if len(f.get_slice(k).get_shape()) > 1 and "embed_tokens" not in k)
+    assert target_matmul_params(text_config(target)) == weights
+
+
+def test_the_bill_says_what_the_pilot_measured_and_what_is_assumed():
+    cfg = load_config(ROOT / "config/qwen3.6-27b.yaml")
+    cfg["plan"]["nodes"] = [1, 2]
+    counts = {"prompts": 1000, "categories": {"chat": 1000}, "shards": 2, "heldout": 10, "from": "--prompts"}
+    burst = {"kind": "b200", "steps": 30, "seconds_per_step": 3.0, "setup_seconds": 120.0}
+    target = ROOT / "data/demo/target"  # the tiny one: its sizes, not 27B's; what is tested is where figures come from
+    plan = forecast(cfg, counts, output_tokens=1e7, target=target, burst=burst)
+    kinds = plan["gpu_stages"]["kinds"]
+    b200, rtx = kinds["b200"]["training"], kinds["rtxpro6000"]["training"]
+    assert b200["from"] == "measured by the pilot" and b200["hours"] == (120 + 50_000 * 3.0) / 3600
+    assert rtx["seconds_per_step"] == pytest.approx(3.0 * 2250 / 503.8) and "scaled" not in rtx["from"]
+    assert "the pilot's rate on b200" in rtx["from"] and rtx["gpus"] == 4
+    bill = kinds["b200"]["bill"]
+    generation = plan["generation"]["b200"]["forecast"]
+    assert bill[1]["hours"] == pytest.approx(generation[1]["hours"] + b200["hours"] + kinds["b200"]["eval_hours"])
+    # two nodes generate; one trains and evaluates
+    node_hours = 2 * generation[1]["hours"] + b200["hours"] + kinds["b200"]["eval_hours"]
+    assert bill[1]["cost"] == pytest.approx(node_hours * 8 * 3.86)
+    lines = "\n".join(plan_lines(plan))
+    print(lines)
+    assert "(measured by the pilot)" in lines and "x2 nodes: generation" in lines
+    assert "train.gpus 8: a global batch of 16 rows, not 32" in lines
+    del burst["kind"]
+    plan = forecast(cfg, counts, output_tokens=1e7, target=target)
+    assert plan["gpu_stages"]["kinds"]["rtxpro6000"]["training"]["from"] == "assumed: 503.8 TFLOPS bf16 x 40%"

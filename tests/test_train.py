@@ -327,7 +327,7 @@ def test_train_overfits_and_writes_checkpoint(tiny_target_dir, shards, tmp_path)
     lines = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(10, 151, 10))
     assert set(lines[0]) == {"step", "loss", "acc", "lr", "position_acc", "position_weight", "expected_acceptance",
-                             "tokens_per_s"}
+                             "tokens_per_s", "seconds"}
     acc = lines[-1]["position_acc"]
     assert lines[-1]["expected_acceptance"] == pytest.approx(1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2])
     assert len(lines[-1]["position_acc"]) == 3 and lines[-1]["acc"] > 0.9 > lines[0]["acc"]
@@ -516,3 +516,16 @@ def test_trained_checkpoint_gives_the_reference_its_draft_logits(reference, tiny
         b = ref.eval()(position_ids=torch.cat([ctx_pos, block_pos], 1), noise_embedding=block,
                        target_hidden=ctx.flatten(2))
     assert logit_diff(a, b, record_property) < 1e-4
+
+
+def test_the_pilots_training_burst_keeps_a_step_rate_and_no_drafter(tiny_target_dir, shards, tmp_path):
+    from dflash.burst import train_burst
+
+    tok, hid = shards
+    out = tmp_path / "pilot" / "train_burst.json"
+    out.parent.mkdir()
+    burst = train_burst(tok, hid, tiny_target_dir, out, TRAIN_CFG, "local", 20)
+    assert json.loads(out.read_text()) == burst and [p.name for p in out.parent.iterdir()] == ["train_burst.json"]
+    assert burst["kind"] == "local" and burst["steps"] == 20 and burst["timed_steps"] == 16  # windows of 4, the first left out
+    assert 0 < burst["seconds_per_step"] and burst["setup_seconds"] >= 0
+    assert burst["setup_seconds"] + 20 * burst["seconds_per_step"] == pytest.approx(burst["seconds"])

@@ -1,0 +1,44 @@
+"""The pilot's training burst: ``pilot.train_steps`` steps of the run's own drafter and train
+settings on the pilot's tokenized rows (its hidden states, or the target online as the run will),
+on the machine the pilot runs on. What it keeps is a step rate (``pilot/train_burst.json``) for
+``dflash plan``: the drafter it trains is made in a temporary folder and thrown away, so nothing
+it writes can pass for the run's checkpoint."""
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+from dflash.io import write_json
+
+log = logging.getLogger(__name__)
+
+
+def train_burst(tokenized: Path, hidden: Path | None, target_dir: Path, out_path: Path, cfg: dict, kind: str,
+                steps: int) -> dict:
+    """Train ``steps`` steps with the trainer's ``cfg`` and time them: seconds per step from the
+    log windows after the first (which holds the first steps' warm-up: allocations, kernel
+    choices), and the set-up (loading the target and the rows, the warm-up) as the rest of the
+    wall time. ``kind``: the node kind of plan.profiles this machine is (``local``: none)."""
+    from dflash.train import resolve_cfg, train
+
+    every = max(1, steps // 5)
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix=".train-burst-", dir=Path(out_path).parent) as tmp:
+        summary = train([tokenized], [hidden] if hidden else None, target_dir, Path(tmp) / "drafter",
+                        {**cfg, "steps": steps, "log_every": every, "save_every": 0}, log)
+        windows = [json.loads(line) for line in (Path(tmp) / "drafter" / "train_log.jsonl").read_text().splitlines()]
+    wall = time.time() - started
+    timed = windows[1:] or windows
+    first = windows[0]["step"] if len(windows) > 1 else 0
+    per_step = sum(w["seconds"] for w in timed) / (timed[-1]["step"] - first)
+    result = {"kind": kind, "steps": steps, "seconds_per_step": per_step,
+              "setup_seconds": max(0.0, wall - steps * per_step), "seconds": wall,
+              "timed_steps": timed[-1]["step"] - first, "hidden_states": resolve_cfg(cfg)["hidden_states"],
+              "rows": summary["rows"], "tokens": summary["tokens"]}
+    write_json(out_path, result)
+    log.info("training burst on %s: %d steps, %.3g s per step (from the last %d), %.3g s set-up", kind, steps,
+             per_step, result["timed_steps"], result["setup_seconds"])
+    return result
