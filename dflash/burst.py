@@ -20,12 +20,15 @@ def train_burst(tokenized: Path, hidden: Path | None, target_dir: Path, out_path
                 steps: int) -> dict:
     """Train ``steps`` steps with the trainer's ``cfg`` and time them: seconds per step from the
     log windows after the first (which holds the first steps' warm-up: allocations, kernel
-    choices), and the set-up (loading the target and the rows, the warm-up) as the rest of the
-    wall time. ``kind``: the node kind of plan.profiles this machine is (``local``: none)."""
+    choices), and the set-up as the rest of the wall time since this process started (the
+    interpreter and its imports, loading the target and the rows, the warm-up), as a train job
+    spends it. ``kind``: the node kind of plan.profiles this machine is (``local``: none)."""
+    import psutil  # snakemake's own dependency
+
     from dflash.train import resolve_cfg, train
 
     every = max(1, steps // 5)
-    started = time.time()
+    started = psutil.Process().create_time()
     with tempfile.TemporaryDirectory(prefix=".train-burst-", dir=Path(out_path).parent) as tmp:
         summary = train([tokenized], [hidden] if hidden else None, target_dir, Path(tmp) / "drafter",
                         {**cfg, "steps": steps, "log_every": every, "save_every": 0}, log)

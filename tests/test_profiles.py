@@ -165,8 +165,8 @@ def test_site_file_names_reach_every_job_of_the_b200_plan(tmp_path):
 def test_the_rtx_plan_puts_each_gpu_stage_on_the_rtx_partition(tmp_path):
     """The RTX PRO 6000 profile's GPU jobs after generation, as planned (tests/test_slurm.py runs
     its server group for real, and the B200 profile's whole chain): one GPU each for the hidden
-    states and the eval's decodings, a whole node for training; the cached-features plan, so that
-    the hidden jobs are in it."""
+    states, the eval's decodings and the pilot's hidden states and training burst, a whole node for
+    training; the cached-features plan, so that the hidden jobs are in it."""
     real = real_workdir(tmp_path)
     cfg = yaml.safe_load(real.read_text())
     cfg["train"]["hidden_states"] = "offline"
@@ -178,8 +178,9 @@ def test_the_rtx_plan_puts_each_gpu_stage_on_the_rtx_partition(tmp_path):
     blocks = {}
     for block in run.stdout.split("rule ")[1:]:
         blocks.setdefault(block.split(":")[0].split()[-1], []).append(block)
-    assert [len(blocks[r]) for r in ("hidden", "eval_decode", "train")] == [3, 2, 1]  # 3 shards; trained, untrained
-    for rule, mem, runtime in [("hidden", 100000, 480), ("eval_decode", 100000, 120), ("train", 400000, 4320)]:
+    assert [len(blocks[r]) for r in ("hidden", "eval_decode", "train", "pilot_hidden", "pilot_train")] == [3, 2, 1, 1, 1]
+    for rule, mem, runtime in [("hidden", 100000, 480), ("eval_decode", 100000, 120), ("train", 400000, 4320),
+                               ("pilot_hidden", 100000, 480), ("pilot_train", 100000, 480)]:
         for block in blocks[rule]:
             assert "slurm_partition=rtxpro6000" in block and "gpu_model=rtx_pro_6000" in block, block
             assert f"mem_mb={mem}," in block and f"runtime={runtime}," in block and "cpus_per_gpu=8" in block, block
