@@ -102,7 +102,8 @@ def bill_lines(g: dict) -> list[str]:
                                                           else "")) if t["hours"] is not None else ""
         fewer = (f" (train.gpus {g['train_gpus']}: a global batch of {t['gpus'] * g['batch_size']} rows, not "
                  f"{g['train_gpus'] * g['batch_size']})" if t["gpus"] < g["train_gpus"] else "")
-        lines.append(f"  {kind}: training on {t['gpus']} GPU{'s' * (t['gpus'] > 1)}{fewer}: "
+        where = "this machine" if kind == "local" else f"{t['gpus']} GPU{'s' * (t['gpus'] > 1)}{fewer}"
+        lines.append(f"  {kind}: training on {where}: "
                      + (f"{step} = {_hours(t['hours'])} ({t['from']})" if t["hours"] is not None else t["from"])
                      + (f"; eval {_hours(s['eval_hours'])} ({FLOOR})" if s["eval_hours"] is not None else ""))
         for b in s["bill"]:
