@@ -36,6 +36,10 @@ class Row:
     loss_mask: torch.Tensor  # bool [T]
 
 
+class NothingToTrain(ValueError):
+    """No row of the shards can anchor a block."""
+
+
 class ShardData:
     """Rows of the tokenized shards, with their hidden states (and, for ``greedy``, the target's
     greedy tokens) read lazily per row from the cache, or (``online``: the frozen target) computed
@@ -62,7 +66,7 @@ class ShardData:
             self.close()
             raise
         if not self.rows:
-            raise ValueError("no trainable row has two consecutive supervised tokens: nothing to train on")
+            raise NothingToTrain("no trainable row has two consecutive supervised tokens: nothing to train on")
 
     def _add_shard(self, shard, tok_path, hid_path, target_layer_ids, hidden_size, target_name, log):
         tok = load_safetensors(tok_path, ("input_ids", "loss_mask", "offsets"), "a tokenized shard")

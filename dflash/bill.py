@@ -24,6 +24,7 @@ def _training(config: dict, kind: str, k: dict, flops: float, burst: dict | None
     at the kind's bf16 rate and utilisation."""
     profiles = config["plan"]["profiles"]
     gpus = min(config["train"]["gpus"], k["gpus_per_node"])
+    burst = burst if burst and "seconds_per_step" in burst else None  # a skipped burst measured nothing
     where = (burst or {}).get("kind")
     setup = 0.0
     if burst and where == kind:

@@ -25,13 +25,20 @@ def train_burst(tokenized: Path, hidden: Path | None, target_dir: Path, out_path
     spends it. ``kind``: the node kind of plan.profiles this machine is (``local``: none)."""
     import psutil  # snakemake's own dependency
 
+    from dflash.batches import NothingToTrain
     from dflash.train import resolve_cfg, train
 
     every = max(1, steps // 5)
     started = psutil.Process().create_time()
     with tempfile.TemporaryDirectory(prefix=".train-burst-", dir=Path(out_path).parent) as tmp:
-        summary = train([tokenized], [hidden] if hidden else None, target_dir, Path(tmp) / "drafter",
-                        {**cfg, "steps": steps, "log_every": every, "save_every": 0}, log)
+        try:
+            summary = train([tokenized], [hidden] if hidden else None, target_dir, Path(tmp) / "drafter",
+                            {**cfg, "steps": steps, "log_every": every, "save_every": 0}, log)
+        except NothingToTrain as e:  # every pilot record rejected: the pilot's summary says why, the plan goes on
+            log.warning("training burst on %s: none: %s", kind, e)
+            result = {"kind": kind, "steps": 0, "skipped": str(e)}
+            write_json(out_path, result)
+            return result
         windows = [json.loads(line) for line in (Path(tmp) / "drafter" / "train_log.jsonl").read_text().splitlines()]
     wall = time.time() - started
     timed = windows[1:] or windows

@@ -172,7 +172,9 @@ def pilot_lines(p: dict) -> list[str]:
                         if c["rejected_by_reason"] else ""))
     if (a := p.get("loop_aborts", NO_LOOP_ABORTS))["records"]:
         lines.append(f"  loop aborts: {loop_abort_text(a, t['output_tokens'])}")
-    if b := p.get("train_burst"):
+    if (b := p.get("train_burst")) and "skipped" in b:
+        lines.append(f"  training burst on {b['kind']}: none ({b['skipped']})")
+    elif b:
         lines.append(f"  training burst on {b['kind']}: {b['steps']} steps, {b['seconds_per_step']:.3g} s per step "
                      f"(hidden states {b['hidden_states']}), {b['setup_seconds']:.0f} s set-up")
     lines += [f"  {'pass' if g['passed'] else 'FAIL'}: {g['message']}" for g in p["gates"]]

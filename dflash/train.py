@@ -52,22 +52,20 @@ from dflash.objective import LABELS, WEIGHTS, block_loss, supervision
 from dflash.optim import OPTIMIZERS, Optimizers, lr_at, make_optimizer
 from dflash.parallel import Distributed
 from dflash.serving import serving_problems
+from dflash.train_cost import DRAFTER_FROM_TARGET
 from dflash.train_resume import (newest_resume_point, remove_resume_points, resume_dir, run_fingerprint,
                                  save_resume_point)
 from dflash.workflow import CONSOLE_FD, job_console, progress
 
 ARCH_KEYS = ("num_layers", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "block_size",
              "mask_token_id", "target_layer_ids", "layer_types", "sliding_window")
-# Sizes that default to the target's own.
-_FROM_TARGET = {"intermediate_size": "intermediate_size", "num_heads": "num_attention_heads",
-                "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim"}
 
 
 def drafter_config(cfg: dict, target_config) -> Qwen3Config:
     """The config a drafter trained with ``cfg`` (the trainer's settings) on a target of
     ``target_config`` (its text config) gets: what its checkpoint carries, known before training."""
     arch = {k: cfg[k] for k in ARCH_KEYS}
-    for key, target_key in _FROM_TARGET.items():
+    for key, target_key in DRAFTER_FROM_TARGET.items():
         if arch[key] is None:
             arch[key] = getattr(target_config, target_key)
     return make_draft_config(target_config, **arch)

@@ -173,3 +173,11 @@ def test_the_bill_says_what_the_pilot_measured_and_what_is_assumed():
     del burst["kind"]
     plan = forecast(cfg, counts, output_tokens=1e7, target=target)
     assert plan["gpu_stages"]["kinds"]["rtxpro6000"]["training"]["from"] == "assumed: 503.8 TFLOPS bf16 x 40%"
+
+
+def test_a_skipped_burst_leaves_training_to_the_arithmetic():
+    cfg = load_config(ROOT / "config/qwen3.6-27b.yaml")
+    counts = {"prompts": 1000, "categories": {"chat": 1000}, "shards": 2, "heldout": 10, "from": "--prompts"}
+    plan = forecast(cfg, counts, output_tokens=1e7, target=ROOT / "data/demo/target",
+                    burst={"kind": "b200", "steps": 0, "skipped": "nothing to train on"})
+    assert plan["gpu_stages"]["kinds"]["b200"]["training"]["from"] == "assumed: 2,250 TFLOPS bf16 x 40%"

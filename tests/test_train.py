@@ -529,3 +529,23 @@ def test_the_pilots_training_burst_keeps_a_step_rate_and_no_drafter(tiny_target_
     assert burst["kind"] == "local" and burst["steps"] == 20 and burst["timed_steps"] == 16  # windows of 4, the first left out
     assert 0 < burst["seconds_per_step"] and burst["setup_seconds"] >= 0
     assert burst["setup_seconds"] + 20 * burst["seconds_per_step"] == pytest.approx(burst["seconds"])
+
+
+def test_a_pilot_with_nothing_to_train_on_skips_the_burst(tiny_target_dir, tmp_path):
+    """Every pilot record rejected leaves no row to anchor a block: the burst says so and the plan
+    prices training without it, instead of failing the pilot whose summary shows why."""
+    from dflash.burst import train_burst
+    from dflash.pilot import pilot_lines
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+    tok, hid = write_shards(target, tmp_path / "data", [([9, 10, 11], [0, 1, 0])], LAYER_IDS)
+    out = tmp_path / "pilot" / "train_burst.json"
+    out.parent.mkdir()
+    burst = train_burst(tok, hid, tiny_target_dir, out, TRAIN_CFG, "local", 20)
+    assert burst == {"kind": "local", "steps": 0, "skipped": "no trainable row has two consecutive supervised "
+                                                             "tokens: nothing to train on"}
+    assert [p.name for p in out.parent.iterdir()] == ["train_burst.json"]
+    summary = {"prompts": 1, "records": 1, "reject_rate": 1.0, "trivial_share": 0.0, "categories": {}, "gates": [],
+               "throughput": {"output_tokens_per_s": 1.0, "output_tokens_per_s_per_gpu": None, "requests_per_s": 1.0,
+                              "output_tokens": 1}, "train_burst": burst}
+    assert "  training burst on local: none (no trainable row" in "\n".join(pilot_lines(summary))
