@@ -7,10 +7,11 @@ import time
 
 from snakemake.utils import min_version, validate
 
-from dflash.config import ConfigError, check_config, demo_sized_problem, read_yaml, schema_path
+from dflash.config import (ConfigError, check_config, demo_sized_problem, read_config_yaml, read_yaml,
+                           schema_path)
 from dflash.dialects import DIALECTS
 from dflash.pilot import toggle_problem
-from dflash.hidden_cache import HIDDEN_FORMAT, layer_selection
+from dflash.hidden_cache import HIDDEN_FORMAT, drafter_target_problems, layer_selection, text_config
 from dflash.prompt_checks import prompt_check_settings
 from dflash.resume import record_settings
 from dflash.workflow import demo_target_sources, shard_ids, target_dir
@@ -25,11 +26,13 @@ include: "rules/common.smk"
 # config (the schema's defaults fill the rest), so the tiny demo's sizes never flow into it. Each
 # file is read by us first: Snakemake's reader names neither file nor line of a YAML error and
 # keeps the last of a key given twice. (A --configfile is read by Snakemake before any of this
-# runs: its YAML errors stay Snakemake's message; `dflash plan --config FILE` names file and line.)
+# runs: its YAML errors stay Snakemake's message; `dflash plan --config FILE` names file and line.
+# So are a YAML template's expressions: a --configfile with __use_yte__ has already run them here,
+# and its run stops before any job.)
 DEMO_CONFIG = "config.yaml"
 try:
     for path in workflow.overwrite_configfiles or ([DEMO_CONFIG] if os.path.exists(DEMO_CONFIG) else []):
-        read_yaml(path)
+        read_config_yaml(path)
 except ConfigError as e:
     stop(str(e))
 if not workflow.overwrite_configfiles:
@@ -40,15 +43,16 @@ if not workflow.overwrite_configfiles:
 # Our check first: it names the file and the misspelt key, and fills the defaults. Snakemake's
 # validate then sees a config that already passed; its filler would trip over an object that may
 # be null (generate.server.launch), and has nothing left to fill.
+CONFIG_SOURCE = ", ".join(map(str, workflow.configfiles)) or "config"
 try:
-    check_config(config, source=", ".join(map(str, workflow.configfiles)) or "config")
+    check_config(config, source=CONFIG_SOURCE)
 except ConfigError as e:
     stop(str(e))
 validate(config, str(schema_path()), set_default=False)
 if workflow.overwrite_configfiles:
     # ... and a copy of the shipped demo file pointed at a real model is refused by name
     problem = demo_sized_problem(config, read_yaml(os.path.join(workflow.basedir, DEMO_CONFIG)),
-                                 ", ".join(map(str, workflow.configfiles)), DEMO_CONFIG)
+                                 CONFIG_SOURCE, DEMO_CONFIG)
     if problem:
         stop(problem)
 
@@ -56,10 +60,22 @@ OUT = config["output_dir"]
 RUN = config["run"]
 TARGET = target_dir(config)
 STORED = bool(workflow.storage_settings.default_storage_provider)  # outputs in S3 (--default-storage-provider)
+# the drafter's fit to the target, wherever its config.json is here (a model folder, the demo's
+# once built; else the target job says it): before the first generate job, not after the last
+try:
+    TARGET_TEXT = text_config(TARGET) if os.path.isfile(f"{TARGET}/config.json") else {}
+except ValueError:  # a damaged config.json: the first job that loads the target names it
+    TARGET_TEXT = {}
+if problems := drafter_target_problems(config["drafter"], TARGET_TEXT):
+    stop("\n".join(f"{CONFIG_SOURCE}: at {key}: {problem} ({TARGET}/config.json)" for key, problem in problems))
 TARGET_INPUT = external(TARGET) if config["target"]["path"] else TARGET
 S3 = STORED and workflow.storage_settings.default_storage_provider == "s3"
 STORAGE_PREFIX = workflow.storage_settings.default_storage_prefix if STORED else None
 if S3:
+    try:  # before any key is listed: a '..' in output_dir would name another run's keys
+        stored_root(STORAGE_PREFIX, OUT)
+    except ValueError as e:
+        stop(f"{CONFIG_SOURCE}: at {e}")
     check_storage(write=False)  # a dry run only lists: read-only keys may plan
 
 STARTED = time.time()

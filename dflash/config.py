@@ -241,8 +241,23 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
-def load_config(path: str | Path, overrides: dict | None = None) -> dict:
+def read_config_yaml(path: str | Path) -> dict:
+    """A pipeline config file, as ``read_yaml`` reads it, refusing a YAML template: with
+    ``__use_yte__: true`` Snakemake runs the file's ``?`` expressions as Python while it reads a
+    --configfile, so a config handed over could run code on every node (profiles may keep YTE:
+    they are the site's own)."""
     config = read_yaml(path)
+    if "__use_yte__" in config:
+        line = next((n for n, text in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1)
+                     if text.lstrip("\ufeff").startswith("__use_yte__")), None)
+        raise ConfigError(f"{path}{f':{line}' if line else ''}: __use_yte__ makes Snakemake run this file's ?-expressions "
+                          f"as Python code; a pipeline config holds plain values: remove the key and write the "
+                          f"values out")
+    return config
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> dict:
+    config = read_config_yaml(path)
     if overrides:
         config.update(overrides)
     return check_config(config, source=str(path))

@@ -73,6 +73,26 @@ def text_config(target: str | Path) -> dict:
                          f"its config.json") from None
 
 
+def drafter_target_problems(drafter: dict, text: dict) -> list[tuple[str, str]]:
+    """(key path, problem) for a ``drafter`` section that cannot train on a target whose text
+    config is ``text``: known from the target's config.json alone, so said before any GPU stage
+    rather than by the hidden or train job after every generate job."""
+    layers, problems = text.get("num_hidden_layers"), []  # None: a config.json that does not say (the hidden job will)
+    ids = drafter["target_layer_ids"]
+    if layers and ids and (beyond := [i for i in ids if i >= layers]):
+        problems.append(("drafter.target_layer_ids", f"{ids} names layer(s) {beyond} of a target with {layers} layers "
+                                                     f"(ids 0 to {layers - 1}): pick layers the target has"))
+    elif layers and not ids:
+        try:
+            build_target_layer_ids(layers, drafter["num_layers"])
+        except ValueError as e:
+            problems.append(("drafter.target_layer_ids", str(e)))
+    mask = drafter.get("mask_token_id")
+    if mask is not None and text.get("vocab_size") and mask >= text["vocab_size"]:
+        problems.append(("drafter.mask_token_id", f"{mask} is outside the target's vocabulary of {text['vocab_size']}"))
+    return problems
+
+
 def cache_plan(config: dict, target_dir: str | Path, tokens: int) -> dict:
     """The hidden-state cache a run would write: tokens, layers, hidden size, dtype, bytes."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import posixpath
 import tempfile
 import time
 from contextlib import contextmanager
@@ -48,6 +49,21 @@ def split_s3(url: str) -> tuple[str, str]:
     """``s3://bucket/some/key/`` -> ``("bucket", "some/key")`` (no trailing slash)."""
     bucket, _, key = str(url).removeprefix("s3://").rstrip("/").partition("/")
     return bucket, key
+
+
+def stored_root(prefix: str, output_dir: str) -> tuple[str, str]:
+    """``(bucket, key)`` under which a run with the default storage ``prefix`` keeps ``output_dir``,
+    as Snakemake and its S3 plugin make it (the path normalised, the key normalised again). A key
+    outside the prefix is refused: ``output_dir: ../x`` would write into, and be checked against,
+    another run's keys."""
+    bucket, base = split_s3(prefix)
+    root = posixpath.normpath(posixpath.join(base, os.path.normpath(output_dir).lstrip("/")) if base
+                              else os.path.normpath(output_dir).lstrip("/"))
+    if root == ".." or root.startswith("../") or (base and not (root + "/").startswith(base + "/")) or root == ".":
+        raise ValueError(f"output_dir: {output_dir!r} puts the outputs outside the storage prefix {prefix} "
+                         f"(its keys would be s3://{bucket}/{root}/..., another run's): give a folder below the "
+                         f"working directory without '..', such as results")
+    return bucket, root
 
 
 def s3_missing(error: BaseException) -> bool:
@@ -308,8 +324,8 @@ def safe_to_destroy(workdir: Path, output_dir: str, prefix: str | None, skip=(),
     stored: dict[str, dict] = {}
     places = [(workdir / output_dir, output_dir)]
     if prefix:
-        bucket, base = split_s3(prefix)
-        key_root = f"{base}/{output_dir}" if base else output_dir
+        bucket, key_root = stored_root(prefix, output_dir)
+        base = split_s3(prefix)[1]
         stored = {o["Key"]: o for o in list_objects(f"s3://{bucket}/{base}")}
         places = [(workdir / output_dir, key_root),
                   (workdir / ".snakemake" / "storage" / "s3" / bucket / key_root, key_root)]

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from dflash import teach
+from dflash.hidden_cache import drafter_target_problems, text_config
 from dflash.io import atomic_dir, file_sha256, read_json, replace_problem, write_json
 from dflash.workflow import tell
 
@@ -92,6 +93,16 @@ def build_target(sources: list[Path], out_dir: Path, cfg: dict, made_by: str = "
                           "transformers": version("transformers"), "machine": platform.machine(),
                           "torch_threads": torch.get_num_threads()},
         })
+    return summary
+
+
+def target_job(sources: list[Path], out_dir: Path, cfg: dict, drafter: dict) -> dict:
+    """The target stage: the target, then the drafter section checked against its config (the
+    run's first chance to, when the target is made here), so a drafter it cannot carry stops the
+    run before any generate job."""
+    summary = build_target(sources, out_dir, cfg)
+    if problems := drafter_target_problems(drafter, text_config(out_dir)):
+        raise ValueError("; ".join(f"{key}: {problem}" for key, problem in problems) + f" ({Path(out_dir)}/config.json)")
     return summary
 
 

@@ -2,6 +2,7 @@ from dflash.workflow import start_job
 
 start_job(snakemake)
 
-from dflash.target import build_target  # noqa: E402
+from dflash.target import target_job  # noqa: E402
 
-build_target(list(snakemake.input.sources), snakemake.output[0], snakemake.params.build)
+# the drafter section from the config, not a param: a new drafter must not remake the target
+target_job(list(snakemake.input.sources), snakemake.output[0], snakemake.params.build, snakemake.config["drafter"])

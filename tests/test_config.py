@@ -142,3 +142,80 @@ def test_the_workflow_passes_snakemakes_lint(tmp_path):
     run = subprocess.run([sys.executable, "-m", "snakemake", "--lint", "-s", str(ROOT / "Snakefile"), "-d", str(tmp_path),
                           "--configfile", str(ROOT / "config.yaml")], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "Congratulations" in run.stdout + run.stderr, (run.stdout + run.stderr)[-3000:]
+
+
+def dry_run(work, *args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "snakemake", "-n", "-s", str(ROOT / "Snakefile"), "-d", str(work), *args],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_a_block_of_one_token_is_refused():
+    with pytest.raises(ConfigError, match=r"at drafter.block_size: 1 is less than the minimum of 2"):
+        check_config({"prompts": {"sources": [{"name": "in", "path": "in.jsonl"}]}, "drafter": {"block_size": 1}})
+
+
+def test_a_drafter_the_target_cannot_carry_stops_the_plan(tmp_path, target_dir):
+    """target_layer_ids beyond the target's layers (or too many layers for the default spacing) are
+    said by `-n`, from the target's config.json, not by the hidden job after every generate job."""
+    from dflash.hidden_cache import drafter_target_problems, text_config
+
+    raw = yaml.safe_load((ROOT / "config.yaml").read_text())
+    raw["target"]["path"] = str(target_dir)  # the tests' 4-layer target
+    for drafter, line in [
+        ({"target_layer_ids": [1, 9]}, "at drafter.target_layer_ids: [1, 9] names layer(s) [9] of a target with 4 layers "
+                                       "(ids 0 to 3): pick layers the target has"),
+        ({"target_layer_ids": None, "num_layers": 5}, "at drafter.target_layer_ids: the default target layers for 5 "
+                                                      "draft layers on a 4-layer target are"),
+    ]:
+        raw["drafter"] = {**raw["drafter"], **drafter}
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+        run = dry_run(tmp_path, "--configfile", str(tmp_path / "c.yaml"))
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"{tmp_path}/c.yaml: {line}"), run.stderr
+        assert lines[0].endswith(f"({target_dir}/config.json)")
+    text = text_config(target_dir)
+    assert drafter_target_problems({"target_layer_ids": [0, 3], "num_layers": 1, "mask_token_id": None}, text) == []
+    assert drafter_target_problems({"target_layer_ids": [0], "num_layers": 1, "mask_token_id": text["vocab_size"]},
+                                   text) == [("drafter.mask_token_id", f"{text['vocab_size']} is outside the target's "
+                                                                       f"vocabulary of {text['vocab_size']}")]
+
+
+def test_a_yaml_template_config_is_refused(tmp_path):
+    """Snakemake runs a --configfile's ?-expressions as Python when it sets __use_yte__ (before the
+    workflow can see the file): the run stops before any job, as `dflash plan` refuses the file."""
+    path = tmp_path / "yte.yaml"
+    path.write_text("prompts:\n  sources: [{name: in, path: in.jsonl}]\n__use_yte__: true\nrun: ?'demo'\n")
+    line = (f"{path}:3: __use_yte__ makes Snakemake run this file's ?-expressions as Python code; a pipeline config "
+            f"holds plain values: remove the key and write the values out")
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    assert str(refused.value) == line
+    run = dry_run(tmp_path, "--configfile", str(path))
+    assert run.returncode == 1 and run.stderr.strip().splitlines() == [line], run.stderr
+
+
+def test_an_output_dir_outside_the_storage_prefix_is_refused(tmp_path):
+    """With outputs in S3 the keys are <prefix>/<output_dir>/...: a '..' would put them in another
+    run's keys, and safe_to_destroy would check a prefix it never wrote to."""
+    from dflash.storage import safe_to_destroy, stored_root
+
+    assert stored_root("s3://b/run1", "results") == ("b", "run1/results")
+    assert stored_root("s3://b/run1/", "./sub/../results") == ("b", "run1/results")
+    assert stored_root("s3://b", "results") == ("b", "results")
+    for out in ("../x", "sub/../../x", "a/../../run1x/results"):
+        with pytest.raises(ValueError, match=rf"^output_dir: '{out}' puts the outputs outside the storage prefix s3://b/run1 "):
+            safe_to_destroy(tmp_path, out, "s3://b/run1")
+    with pytest.raises(ValueError, match="outside the storage prefix s3://b "):
+        stored_root("s3://b", "../x")
+    raw = yaml.safe_load((ROOT / "config.yaml").read_text())
+    raw["output_dir"] = "../x"
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    # no S3 is reached: the check comes before the storage is asked anything
+    run = dry_run(tmp_path, "--configfile", str(tmp_path / "c.yaml"), "--default-storage-provider", "s3",
+                  "--default-storage-prefix", "s3://b/run1",
+                  env={**__import__("os").environ, "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x",
+                       "AWS_SECRET_ACCESS_KEY": "x"})
+    assert run.returncode == 1 and run.stderr.strip().splitlines() == [
+        f"{tmp_path}/c.yaml: at output_dir: '../x' puts the outputs outside the storage prefix s3://b/run1 (its keys "
+        f"would be s3://b/x/..., another run's): give a folder below the working directory without '..', such as "
+        f"results"], run.stderr

@@ -189,8 +189,9 @@ def test_a_failing_new_source_keeps_the_built_target(tmp_path, target_dir):
     os.utime(work / "results" / "target")  # built after its sources
     built = tree(work / "results" / "target")
     bad = source(work, [ask("Hi"), "{not json"], name="bad")  # then a new one is added
-    (work / "one.yaml").write_text(yaml.safe_dump({"prompts": {"sources": [good]}}))
-    (work / "two.yaml").write_text(yaml.safe_dump({"prompts": {"sources": [good, bad]}}))
+    fits = {"num_layers": 1}  # a drafter the 4-layer target can carry (the default 5 layers stop the plan)
+    (work / "one.yaml").write_text(yaml.safe_dump({"prompts": {"sources": [good]}, "drafter": fits}))
+    (work / "two.yaml").write_text(yaml.safe_dump({"prompts": {"sources": [good, bad]}, "drafter": fits}))
     dry = subprocess.run([*SNAKEMAKE, "-d", str(work), "-n", "results/target", "--configfile", str(work / "one.yaml")],
                          capture_output=True, text=True, timeout=300)
     assert "Nothing to be done" in dry.stdout + dry.stderr
