@@ -440,7 +440,7 @@ def test_failed_run_resumes_to_the_same_weights_while_prefetching(tiny_target_di
         points = list((tmp_path / ".resumed.resume").glob("step-*.pt"))
         assert points
         for point in points:
-            state = torch.load(point, weights_only=False)
+            state = torch.load(point, weights_only=True)
             torch.save({**state, "optimizer": state["optimizer"]["optimizers"][0]}, point)
     monkeypatch.setattr(dflash.train, "lr_at", lr_at)
     summary = train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "resumed", cfg)
