@@ -43,10 +43,17 @@ class DiskFull(OSError):
 
 def _no_space(e: BaseException) -> bool:
     """Whether ``e`` is a full disk or quota, however the writer reports it (safetensors and torch
-    wrap the OS error in their own)."""
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    return "No space left on device" in str(e) or "StorageFull" in str(e)
+    wrap the OS error in their own, or raise their own while cleaning up after it: torch's writer
+    then says "unexpected pos", the OSError in its context)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "StorageFull" in str(e):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 @contextmanager
