@@ -118,9 +118,10 @@ def histogram_svg(title: str, bins: list[int], counts: list[int], x_label: str) 
 
 
 def loss_svg(curve: list[list[float]], width: int = 600, height: int = 270) -> str:
-    drawn = [c for c in curve if math.isfinite(c[1])]
+    # None: a window whose steps were all skipped (train.max_nonfinite_steps)
+    drawn = [c for c in curve if c[1] is not None and math.isfinite(c[1])]
     lost = len(curve) - len(drawn)
-    skipped = f"<p>{lost} logged losses are not finite (not drawn)</p>" if lost else ""
+    skipped = f"<p>{lost} logged losses are not finite or missing (not drawn)</p>" if lost else ""
     if len(drawn) < 2:
         return skipped + "<p>no loss curve</p>"
     curve = drawn

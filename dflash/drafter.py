@@ -426,6 +426,9 @@ def load_drafter(directory: Path) -> tuple[DFlashDraftModel, Qwen3Config]:
         raise ValueError(f"{config_file}: no dflash_config: not the config of a DFlash drafter checkpoint")
     config = Qwen3Config.from_dict(settings)
     state = load_safetensors(weights, ["fc.weight"], "the weights of a DFlash drafter")
+    if bad := nonfinite_tensors(state):
+        raise ValueError(f"{weights}: the weights {bad} are not finite (NaN or infinite: a training that diverged, "
+                         f"or a damaged file): train the drafter again (with a lower train.lr)")
     model = DFlashDraftModel(config).to(state["fc.weight"].dtype)
     try:
         model.load_state_dict(state, strict=True)
@@ -434,3 +437,10 @@ def load_drafter(directory: Path) -> tuple[DFlashDraftModel, Qwen3Config]:
         raise ValueError(f"{weights}: weights that do not fit {config_file} ({detail}): the two files are from "
                          f"different checkpoints; copy the checkpoint folder again, whole") from None
     return model, config
+
+
+def nonfinite_tensors(state: dict[str, torch.Tensor], shown: int = 3) -> str:
+    """Which floating-point tensors of a state dict hold a NaN or an infinity ("" when none): a
+    diverged drafter's, which would decode nothing but pass for one that drafts badly."""
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    return ", ".join(bad[:shown]) + (f" and {len(bad) - shown} more" if len(bad) > shown else "")

@@ -12,6 +12,7 @@ import fnmatch
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -42,10 +43,17 @@ class DiskFull(OSError):
 
 def _no_space(e: BaseException) -> bool:
     """Whether ``e`` is a full disk or quota, however the writer reports it (safetensors and torch
-    wrap the OS error in their own)."""
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    return "No space left on device" in str(e) or "StorageFull" in str(e)
+    wrap the OS error in their own, or raise their own while cleaning up after it: torch's writer
+    then says "unexpected pos", the OSError in its context)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "StorageFull" in str(e):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 @contextmanager
@@ -424,14 +432,34 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     return list(iter_jsonl(path))
 
 
-def json_text(obj) -> str:
-    """A JSON document as every stage writes one (summaries, indexes, QA reports)."""
-    return json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
+def json_text(obj, path: str | os.PathLike | None = None, indent: int | None = 2) -> str:
+    """A JSON document as every stage writes one (summaries, indexes, QA reports; ``indent=None``:
+    one line). A number JSON cannot hold (NaN, an infinity) is an error naming where it is (in the
+    file ``path``): ``json`` would write a bare ``NaN``, which strict readers refuse and others read
+    as a number, so a diverged value would pass on unseen. Where a value is undefined, write None."""
+    try:
+        return json.dumps(obj, indent=indent, ensure_ascii=False, allow_nan=False) + "\n"
+    except ValueError:
+        where, value = _nonfinite_at(obj) or ("a value", "not finite")
+        raise ValueError(f"{path or 'a JSON document'}: not written: {where} is {value}, a number JSON cannot "
+                         f"hold (an internal error: a stage let a diverged value through; report it)") from None
+
+
+def _nonfinite_at(obj, where: str = "") -> tuple[str, float] | None:
+    """The first non-finite float in ``obj`` and where (``final_loss``, ``windows[3].loss``)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return where or "the document", obj
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for key, value in items:
+        if found := _nonfinite_at(value, f"{where}[{key}]" if isinstance(key, int) else
+                                  f"{where}.{key}" if where else str(key)):
+            return found
+    return None
 
 
 def write_json(path: str | os.PathLike, obj) -> None:
     with atomic_path(path) as tmp:
-        tmp.write_text(json_text(obj), encoding="utf-8")
+        tmp.write_text(json_text(obj, path), encoding="utf-8")
 
 
 def read_json(path: str | os.PathLike):

@@ -30,12 +30,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack, closing, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, closing, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,17 +46,17 @@ from transformers import AutoConfig, PretrainedConfig, Qwen3Config
 
 from dflash.batches import Batch, RowOrder, ShardData, add_feature_noise, make_batch, prefetched, sample_anchors
 from dflash.config import completed, defaults
-from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config, write_drafter_state
+from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config, nonfinite_tensors, write_drafter_state
 from dflash.errors import RANK_ERRORS, first_rank_error, rank_error_recorded
-from dflash.io import atomic_dir, replace_problem
+from dflash.io import atomic_dir, json_text, replace_problem
 from dflash.models import check_fast_kernels, pick_device
 from dflash.objective import LABELS, WEIGHTS, block_loss, supervision
 from dflash.optim import OPTIMIZERS, Optimizers, lr_at, make_optimizer
 from dflash.parallel import Distributed
 from dflash.serving import serving_problems
 from dflash.train_cost import DRAFTER_FROM_TARGET
-from dflash.train_resume import (newest_resume_point, remove_resume_points, resume_dir, run_fingerprint,
-                                 save_resume_point)
+from dflash.train_resume import (held_resume_dir, newest_resume_point, remove_resume_points, resume_dir,
+                                 run_fingerprint, save_resume_point)
 from dflash.workflow import CONSOLE_FD, job_console, progress
 
 ARCH_KEYS = ("num_layers", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "block_size",
@@ -124,8 +126,8 @@ def resolve_cfg(cfg: dict) -> dict:
         raise ValueError("missing required drafter/train settings: ['mask_token_id']")
     if min(merged[k] for k in ("steps", "batch_size", "num_anchors", "log_every", "loss_chunk_tokens")) < 1:
         raise ValueError("steps, batch_size, num_anchors, log_every and loss_chunk_tokens must be >= 1")
-    if merged["prefetch"] < 0 or merged["feature_noise"] < 0:
-        raise ValueError("prefetch and feature_noise must be >= 0")
+    if min(merged["prefetch"], merged["feature_noise"], merged["max_nonfinite_steps"]) < 0:
+        raise ValueError("prefetch, feature_noise and max_nonfinite_steps must be >= 0")
     return merged
 
 
@@ -159,51 +161,100 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
     resume = resume_dir(out_dir)
     fingerprint = run_fingerprint(cfg, tokenized, target_dir)
     online = _online_target(target_dir, dist.device) if cfg["hidden_states"] == "online" else None
-    with ShardData(tokenized, hidden if online is None else None, run.config.dflash_config["target_layer_ids"],
-                   run.target_config.hidden_size, target_dir.name, log, online,
-                   cfg["loss"]["labels"] == "target") as data, \
-            ExitStack() as outputs:
-        log.info("data: %s", data.summary)
-        rows = RowOrder(len(data.rows), generator)
-        train_log = TrainLog(run.config.block_size)
-        state = newest_resume_point(resume, fingerprint, log) if resume.exists() else None
-        step0 = _resumed(state, run, dist, generator, rows, train_log) if state else 0
-        if main:
-            tmp = outputs.enter_context(atomic_dir(out_dir, "checkpoint"))
-            log_file = outputs.enter_context(open(tmp / "train_log.jsonl", "w"))
-            log_file.writelines(train_log.lines)
-        # online features are the target's forward on this device: in a second thread it would only
-        # queue behind the training step's kernels and contend for the GIL, so it runs in the loop
-        ahead = cfg["prefetch"] if online is None else 0
-        batches = outputs.enter_context(closing(prefetched(_batch_maker(data, rows, generator, run, cfg, dist),
-                                                           steps - step0, ahead)))
-        bar = progress(range(step0, steps), desc="train drafter", unit="step", initial=step0, total=steps,
-                       disable=not main)  # one bar, one console story, for all ranks
-        for step, (batch, supervised, draws) in zip(bar, batches):
-            lr, step_loss, sums = _train_step(run, batch, supervised, step, cfg, dist)
-            train_log.add(step, step_loss, *sums)
-            if (step + 1) % cfg["log_every"] == 0 or step + 1 == steps:
-                record = train_log.end_window(step + 1, lr)
-                if main:
-                    log_file.write(train_log.lines[-1])
-                    log_file.flush()
-                    log.info("step %d loss %.4f acc %.3f expected acceptance %.2f lr %.2e", step + 1,
-                             train_log.final_loss, record["acc"], record["expected_acceptance"], lr)
-                    bar.set_postfix(loss=f"{train_log.final_loss:.3f}", refresh=False)
-            if cfg["save_every"] and (step + 1) % cfg["save_every"] == 0 and step + 1 < steps:
-                _write_resume_point(resume, fingerprint, step + 1, run, dist, draws, train_log)
+    # rank 0 holds the resume folder: the others only read the point it holds before any is written
+    with _sigterm_raises(log), (held_resume_dir(resume, out_dir) if main else nullcontext()):
+        with ShardData(tokenized, hidden if online is None else None, run.config.dflash_config["target_layer_ids"],
+                       run.target_config.hidden_size, target_dir.name, log, online,
+                       cfg["loss"]["labels"] == "target") as data, \
+                ExitStack() as outputs:
+            log.info("data: %s", data.summary)
+            rows = RowOrder(len(data.rows), generator)
+            train_log = TrainLog(run.config.block_size)
+            state = newest_resume_point(resume, fingerprint, log) if resume.exists() else None
+            step0 = _resumed(state, run, dist, generator, rows, train_log) if state else 0
+            if main:
+                tmp = outputs.enter_context(atomic_dir(out_dir, "checkpoint"))
+                log_file = outputs.enter_context(open(tmp / "train_log.jsonl", "w"))
+                log_file.writelines(train_log.lines)
+            # online features are the target's forward on this device: in a second thread it would only
+            # queue behind the training step's kernels and contend for the GIL, so it runs in the loop
+            ahead = cfg["prefetch"] if online is None else 0
+            batches = outputs.enter_context(closing(prefetched(_batch_maker(data, rows, generator, run, cfg, dist),
+                                                               steps - step0, ahead)))
+            bar = progress(range(step0, steps), desc="train drafter", unit="step", initial=step0, total=steps,
+                           disable=not main)  # one bar, one console story, for all ranks
+            for step, (batch, supervised, draws) in zip(bar, batches):
+                lr, step_loss, sums = _train_step(run, batch, supervised, step, cfg, dist)
+                if step_loss is None:
+                    _skipped(step, train_log, cfg, out_dir, log)
+                else:
+                    train_log.add(step_loss, *sums)
+                if (step + 1) % cfg["log_every"] == 0 or step + 1 == steps:
+                    record = train_log.end_window(step + 1, lr)
+                    if main:
+                        log_file.write(train_log.lines[-1])
+                        log_file.flush()
+                        if record["loss"] is not None:  # None: every step of the window was skipped
+                            log.info("step %d loss %.4f acc %.3f expected acceptance %.2f lr %.2e", step + 1,
+                                     record["loss"], record["acc"], record["expected_acceptance"], lr)
+                            bar.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
+                if cfg["save_every"] and (step + 1) % cfg["save_every"] == 0 and step + 1 < steps:
+                    _write_resume_point(resume, fingerprint, step + 1, run, dist, draws, train_log)
+            if train_log.first_loss is None:  # not one step applied: the weights are the random start
+                _skipped(None, train_log, cfg, out_dir, log)
 
-        model_state, _ = dist.full_state(run.model, run.optimizer)
-        seconds = time.time() - start
-        if main:
-            _write_checkpoint(tmp, model_state, run.config, cfg, train_log, step0, seconds, dist.world, data.summary)
-    if main and resume.exists():  # the checkpoint is in place: nothing left to resume
-        remove_resume_points(resume)
+            model_state, _ = dist.full_state(run.model, run.optimizer)
+            seconds = time.time() - start
+            if main:
+                _write_checkpoint(tmp, model_state, run.config, cfg, train_log, step0, seconds, dist.world,
+                                  data.summary)
+        if main and resume.exists():  # the checkpoint is in place: nothing left to resume
+            remove_resume_points(resume)
     dist.barrier()
     dist.close()
     return {"steps": steps, "final_loss": train_log.final_loss, "first_loss": train_log.first_loss,
             "rows": data.summary["trainable_rows"], "tokens": data.summary["trainable_tokens"],
             "seconds": seconds, "resumed_from_step": step0}
+
+
+@contextmanager
+def _sigterm_raises(log: logging.Logger) -> Iterator[None]:
+    """SIGTERM (Snakemake cancelling the job, SLURM's time limit, torchrun stopping its ranks) as
+    SystemExit while training, so the ``finally`` blocks run: the output's temp folder is removed
+    and the resume folder's lock released. Python's default would end the process at once and
+    leave the temp folder beside the checkpoint. SystemExit, not an Exception: a reader's handler
+    of a file's faults must not take it for one."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        yield
+        return
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up short
+        log.warning("SIGTERM: training stopped; a re-run resumes from the newest resume point")
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _skipped(step: int | None, train_log: TrainLog, cfg: dict, out_dir: Path, log: logging.Logger) -> None:
+    """A step whose loss or gradient was not finite (``step``), not applied to the weights: counted,
+    and the run stopped past ``train.max_nonfinite_steps`` of them or when none was applied (None).
+    Every rank decides alike: the step's verdict is summed over them (``_train_step``)."""
+    if step is not None:
+        train_log.skipped += 1
+        if train_log.skipped <= cfg["max_nonfinite_steps"]:
+            log.warning("step %d: the loss or a gradient is not finite: skipped, not applied (%d of at most %d "
+                        "such steps, train.max_nonfinite_steps)", step + 1, train_log.skipped,
+                        cfg["max_nonfinite_steps"])
+            return
+    where = f"at step {step + 1}" if step is not None else "at every step"
+    raise RuntimeError(f"{out_dir}: training diverged: the loss or a gradient was not finite {where} "
+                       f"({train_log.skipped} such steps, train.max_nonfinite_steps is {cfg['max_nonfinite_steps']}); "
+                       f"no checkpoint written: lower train.lr (now {cfg['lr']:g}) or check the data, and re-run")
 
 
 @dataclass
@@ -278,8 +329,9 @@ def _batch_maker(data: ShardData, rows: RowOrder, generator: torch.Generator, ru
 
 def _train_step(run: Run, batch: Batch, supervised: int, step: int, cfg: dict,
                 dist: Distributed) -> tuple[float, float, list[torch.Tensor]]:
-    """One optimizer step on this rank's slice of the global batch: its lr, the global batch's loss,
-    and the global batch's per-position sums (correct, count, weight)."""
+    """One optimizer step on this rank's slice of the global batch: its lr, the global batch's loss
+    (None when the loss or the gradient of any rank is not finite: the step is not applied), and the
+    global batch's per-position sums (correct, count, weight)."""
     batch = batch.to(dist.device, non_blocking=dist.device.type == "cuda")
     if cfg["feature_noise"]:
         add_feature_noise(batch, cfg["feature_noise"], cfg["seed"], step, dist.rank * cfg["batch_size"])
@@ -291,13 +343,22 @@ def _train_step(run: Run, batch: Batch, supervised: int, step: int, cfg: dict,
         loss, parts = draft_loss(run.model, run.io, batch, run.config.block_size, cfg["loss"], supervised,
                                  dist.world, chunk_tokens=cfg["loss_chunk_tokens"])
     loss.backward()
+    # clip_grad_norm_'s two halves: the norm tells a non-finite gradient whether clipped or not
+    params = [p for p in run.model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if cfg["grad_clip"]:
-        torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg["grad_clip"])
-    run.optimizer.step()
+        torch.nn.utils.clip_grads_with_norm_(params, cfg["grad_clip"], norm)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
+    weighted = parts.weighted_ce.float().reshape(1)
+    bad = (~torch.isfinite(norm) | ~torch.isfinite(weighted)).float().reshape(1)
+    # summed with the step's sums, before the step: every rank skips the same steps, or none
+    weighted, bad, *sums = dist.sum(weighted, bad, parts.correct, parts.count, parts.weight)
+    applied = not bad.item()
+    if applied:
+        run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
-
-    weighted, *sums = dist.sum(parts.weighted_ce.float().reshape(1), parts.correct, parts.count, parts.weight)
-    return lr, weighted.item() / supervised, sums  # the global batch's loss, as one process has it
+    # the global batch's loss, as one process has it; None for a step not applied
+    return lr, weighted.item() / supervised if applied else None, sums
 
 
 def _resumed(state: dict, run: Run, dist: Distributed, generator: torch.Generator, rows: RowOrder,
@@ -316,6 +377,7 @@ def _write_resume_point(resume: Path, fingerprint: str, step: int, run: Run, dis
     """Rank 0's, which serves every rank: they all draw the same rows and anchors."""
     model_state, optim_state = dist.full_state(run.model, run.optimizer)
     if dist.rank == 0:
+        _refuse_nonfinite(model_state, resume)
         save_resume_point(resume, {
             "fingerprint": fingerprint, "step": step, "model": model_state, "optimizer": optim_state,
             "generator": draws["generator"], "torch_rng": torch.get_rng_state(), "rows": draws["rows"],
@@ -325,10 +387,20 @@ def _write_resume_point(resume: Path, fingerprint: str, step: int, run: Run, dis
 
 def _write_checkpoint(tmp: Path, model_state: dict, config: Qwen3Config, cfg: dict, train_log: TrainLog,
                       step0: int, seconds: float, processes: int, data: dict) -> None:
+    _refuse_nonfinite(model_state, tmp)
     write_drafter_state(model_state, config, tmp)
     state = {"steps": cfg["steps"], "first_loss": train_log.first_loss, "final_loss": train_log.final_loss,
-             "seconds": seconds, "resumed_from_step": step0, "processes": processes, "cfg": cfg, "data": data}
-    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+             "skipped_steps": train_log.skipped, "seconds": seconds, "resumed_from_step": step0,
+             "processes": processes, "cfg": cfg, "data": data}
+    (tmp / "trainer_state.json").write_text(json_text(state, tmp / "trainer_state.json"))
+
+
+def _refuse_nonfinite(model_state: dict, where: Path) -> None:
+    """Skipped steps keep the weights finite; this makes sure no checkpoint or resume point of
+    NaN weights is ever written, whatever else went wrong."""
+    if bad := nonfinite_tensors(model_state):
+        raise RuntimeError(f"{where}: not written: the drafter's weights {bad} are not finite (NaN or infinite): "
+                           f"lower train.lr and re-run")
 
 
 class TrainLog:
@@ -337,12 +409,16 @@ class TrainLog:
 
     def __init__(self, block_size: int):
         self.block_size = block_size
-        self.first_loss = self.final_loss = float("nan")
+        # None until a step is applied: JSON holds no NaN (a window of skipped steps has no loss)
+        self.first_loss: float | None = None
+        self.final_loss: float | None = None
+        self.skipped = 0  # steps not applied: their loss or gradient was not finite
         self.lines: list[str] = []
         self.window = new_window(block_size)
 
-    def add(self, step: int, loss: float, correct: torch.Tensor, count: torch.Tensor, weight: torch.Tensor) -> None:
-        if step == 0:
+    def add(self, loss: float, correct: torch.Tensor, count: torch.Tensor, weight: torch.Tensor) -> None:
+        """An applied step's loss and per-position sums."""
+        if self.first_loss is None:
             self.first_loss = loss
         self.window["loss"] += loss
         self.window["steps"] += 1
@@ -352,18 +428,20 @@ class TrainLog:
 
     def end_window(self, step: int, lr: float) -> dict:
         """The line for the window that ends after ``step`` steps (appended to ``lines``)."""
-        self.final_loss = self.window["loss"] / self.window["steps"]
-        record = log_record(step, self.final_loss, lr, self.window)
-        self.lines.append(json.dumps(record) + "\n")
+        loss = self.window["loss"] / self.window["steps"] if self.window["steps"] else None
+        self.final_loss = self.final_loss if loss is None else loss
+        record = log_record(step, loss, lr, self.window)
+        self.lines.append(json_text(record, "train_log.jsonl", indent=None))
         self.window = new_window(self.block_size)
         return record
 
     def state_dict(self) -> dict:
-        return {"first_loss": self.first_loss, "final_loss": self.final_loss, "log_lines": self.lines,
-                "window": {k: v for k, v in self.window.items() if k != "t0"}}
+        return {"first_loss": self.first_loss, "final_loss": self.final_loss, "skipped_steps": self.skipped,
+                "log_lines": self.lines, "window": {k: v for k, v in self.window.items() if k != "t0"}}
 
     def load_state_dict(self, state: dict) -> None:
         self.first_loss, self.final_loss = state["first_loss"], state["final_loss"]
+        self.skipped = state.get("skipped_steps", 0)  # a point from before steps were skipped
         self.lines, self.window = state["log_lines"], {**state["window"], "t0": time.time()}
 
 
@@ -383,7 +461,7 @@ def expected_acceptance(position_acc: list[float | None]) -> float:
     return total
 
 
-def log_record(step: int, loss: float, lr: float, window: dict) -> dict:
+def log_record(step: int, loss: float | None, lr: float, window: dict) -> dict:
     correct, count = window["correct"][1:], window["count"][1:]
     position_acc = [(c / n).item() if n > 0 else None for c, n in zip(correct, count)]
     position_weight = [(w / n).item() if n > 0 else None for w, n in zip(window["weight"][1:], count)]

@@ -274,3 +274,15 @@ def test_cache_gate_suggests_online_mode(qa_summary, tmp_path):
                                         r"84.0 TB \(hidden.max_cache_bytes 20.0 TB\); set train.hidden_states: online"):
         run_gates(qa_summary, tmp_path / "gates.json", GATES, cache)
     assert run_gates(qa_summary, tmp_path / "gates.json", GATES, {**cache, "max_bytes": None})
+
+
+def test_no_json_writer_writes_a_nan(tmp_path):
+    """A diverged value (NaN, infinity) reaching a JSON output is an error naming the file and the
+    key, and nothing is written: json.dumps would write a bare NaN that strict readers refuse."""
+    with pytest.raises(ValueError) as e:
+        write_json(tmp_path / "summary.json", {"train": {"curve": [[1, 2.0], [2, float("nan")]]}})
+    assert str(e.value) == (f"{tmp_path}/summary.json: not written: train.curve[1][1] is nan, a number JSON cannot "
+                            f"hold (an internal error: a stage let a diverged value through; report it)")
+    assert list(tmp_path.iterdir()) == []
+    write_json(tmp_path / "summary.json", {"final_loss": None})  # an undefined value is null
+    assert read_json(tmp_path / "summary.json") == {"final_loss": None}

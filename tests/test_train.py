@@ -440,7 +440,7 @@ def test_failed_run_resumes_to_the_same_weights_while_prefetching(tiny_target_di
         points = list((tmp_path / ".resumed.resume").glob("step-*.pt"))
         assert points
         for point in points:
-            state = torch.load(point, weights_only=False)
+            state = torch.load(point, weights_only=True)
             torch.save({**state, "optimizer": state["optimizer"]["optimizers"][0]}, point)
     monkeypatch.setattr(dflash.train, "lr_at", lr_at)
     summary = train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "resumed", cfg)
@@ -549,3 +549,159 @@ def test_a_pilot_with_nothing_to_train_on_skips_the_burst(tiny_target_dir, tmp_p
                "throughput": {"output_tokens_per_s": 1.0, "output_tokens_per_s_per_gpu": None, "requests_per_s": 1.0,
                               "output_tokens": 1}, "train_burst": burst}
     assert "  training burst on local: none (no trainable row" in "\n".join(pilot_lines(summary))
+
+
+# --- hostile resume folders, divergence, signals, full disks (issue 42) ----------------------
+
+class _Planted:
+    """What a hostile resume point holds: unpickling it would create a marker file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def test_a_planted_resume_point_runs_no_code_and_is_refused(tiny_target_dir, shards, tmp_path):
+    resume = tmp_path / ".out.resume"
+    resume.mkdir()
+    marker = tmp_path / "code-ran"
+    torch.save({"fingerprint": "x", "step": 3, "model": _Planted(marker)}, resume / "step-00000003.pt")
+    with pytest.raises(ValueError) as e:
+        train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "out", {**TRAIN_CFG, "steps": 2})
+    assert str(e.value).startswith(f"{resume}/step-00000003.pt: refused, not loaded: a resume point holds only "
+                                   f"tensors and plain values, and this file holds more (Unsupported global: "
+                                   f"GLOBAL io.open was not an allowed global by default)")
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    assert sorted(p.name for p in resume.iterdir()) == ["lock", "step-00000003.pt"]  # the point left as it was
+
+
+def test_a_symlinked_resume_folder_is_refused_and_its_files_kept(tiny_target_dir, shards, tmp_path):
+    victim = tmp_path / "someone-elses"
+    victim.mkdir()
+    (victim / "step-00000001.pt").write_bytes(b"theirs")
+    (tmp_path / ".out.resume").symlink_to(victim)
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/\.out\.resume: a symlink or a file where training keeps "
+                                         rf"out's resume points"):
+        train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "out", {**TRAIN_CFG, "steps": 2})
+    assert (victim / "step-00000001.pt").read_bytes() == b"theirs" and [p.name for p in victim.iterdir()] == [
+        "step-00000001.pt"]
+
+
+def test_a_second_training_of_one_output_is_refused_while_the_first_holds_its_resume_points(
+        tiny_target_dir, shards, tmp_path):
+    import os
+
+    from dflash.train_resume import held_resume_dir
+
+    resume = tmp_path / ".out.resume"
+    with held_resume_dir(resume, tmp_path / "out"):  # the first training, here in this process
+        with pytest.raises(RuntimeError, match=rf"^another training is using {tmp_path}/out's resume points "
+                                               rf"\(pid {os.getpid()}, lock "):
+            train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "out", {**TRAIN_CFG, "steps": 2})
+        assert (resume / "lock").exists()
+    assert not resume.exists() and not (tmp_path / "out").exists()
+
+
+def test_a_diverging_training_stops_and_writes_no_nan(tiny_target_dir, shards, tmp_path):
+    """lr 1e30: the loss goes infinite at step 2; the run skips max_nonfinite_steps steps, then
+    stops. Nothing holds a NaN: no checkpoint, and the resume points have finite weights."""
+    cfg = {**TRAIN_CFG, "steps": 12, "log_every": 2, "save_every": 2, "lr": 1e30, "optimizer": "adamw"}
+    with pytest.raises(RuntimeError) as e:
+        train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "out", cfg)
+    assert str(e.value) == (f"{tmp_path}/out: training diverged: the loss or a gradient was not finite at step 5 "
+                            f"(4 such steps, train.max_nonfinite_steps is 3); no checkpoint written: lower train.lr "
+                            f"(now 1e+30) or check the data, and re-run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.resume"]  # no checkpoint, no temp folder
+    for point in (tmp_path / ".out.resume").glob("step-*.pt"):
+        state = torch.load(point, weights_only=True)
+        assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_a_non_finite_step_is_skipped_and_the_run_goes_on(tiny_target_dir, shards, tmp_path, monkeypatch):
+    """One bad batch (a fake: no real part gives one NaN step on demand) is not applied: the run
+    ends like a run of the other steps, and says it skipped one."""
+    real = dflash.train.draft_loss
+    calls = []
+
+    def nan_at_the_second_step(*args, **kwargs):
+        loss, parts = real(*args, **kwargs)
+        calls.append(1)
+        return (loss * float("nan"), parts) if len(calls) == 2 else (loss, parts)
+
+    monkeypatch.setattr(dflash.train, "draft_loss", nan_at_the_second_step)
+    cfg = {**TRAIN_CFG, "steps": 4, "log_every": 1}
+    summary = train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "out", cfg)
+    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
+    lines = [json.loads(x) for x in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    assert state["skipped_steps"] == 1 and lines[1]["loss"] is None and summary["final_loss"] == lines[3]["loss"]
+    assert all(torch.isfinite(v).all() for v in load_file(tmp_path / "out" / "model.safetensors").values())
+    calls.clear()
+    with pytest.raises(RuntimeError, match="not finite at step 2 .*max_nonfinite_steps is 0"):
+        train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "zero", {**cfg, "max_nonfinite_steps": 0})
+
+
+def test_a_drafter_with_nan_weights_is_refused(tiny_target_dir, shards, tmp_path):
+    train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "ckpt", {**TRAIN_CFG, "steps": 1})
+    weights = load_file(tmp_path / "ckpt" / "model.safetensors")
+    save_file({**weights, "fc.weight": weights["fc.weight"] * float("nan")}, tmp_path / "ckpt" / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/ckpt/model.safetensors: the weights fc.weight are not "
+                                         rf"finite \(NaN or infinite: a training that diverged"):
+        load_drafter(tmp_path / "ckpt")
+
+
+_SIGTERMED = """
+import sys, json
+from pathlib import Path
+from dflash.train import train
+tok, hid, target, out = map(Path, sys.argv[1:5])
+train([tok], [hid], target, out, json.loads(sys.argv[5]))
+"""
+
+
+def test_sigterm_during_training_leaves_no_temp_folder(tiny_target_dir, shards, tmp_path):
+    import signal
+    import time
+
+    cfg = {**TRAIN_CFG, "steps": 100000, "log_every": 1, "save_every": 0}
+    proc = subprocess.Popen([sys.executable, "-c", _SIGTERMED, *map(str, (*shards, tiny_target_dir, tmp_path / "out")),
+                             json.dumps(cfg)], cwd=Path(__file__).resolve().parents[1], stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".out.*.tmp/train_log.jsonl")) or not any(
+            p.stat().st_size for p in tmp_path.glob(".out.*.tmp/train_log.jsonl")):  # training, not loading
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else ""
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "SIGTERM: training stopped; a re-run resumes from the newest resume point" in err
+    assert list(tmp_path.iterdir()) == []  # no temp checkpoint, no resume folder
+
+
+_FULL_DISK = """
+import sys, torch
+from pathlib import Path
+from dflash.errors import describe
+from dflash.train_resume import save_resume_point
+try:
+    save_resume_point(Path("/mnt/.out.resume"), {"step": 3, "model": {"w": torch.randn(100_000)}})
+except OSError as e:
+    print(describe(e))
+"""
+
+
+def test_a_full_disk_names_the_resume_point(tmp_path):
+    """A real full disk: a 16 KB tmpfs in a private mount namespace (as tests/test_io.py does)."""
+    import shutil
+
+    if not shutil.which("unshare"):
+        pytest.skip("no unshare to mount a small tmpfs")
+    script = f"mount -t tmpfs -o size=16k tmpfs /mnt && {sys.executable} -c '{_FULL_DISK}' && ls -A /mnt/.out.resume"
+    run = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script], capture_output=True,
+                         text=True, cwd=Path(__file__).resolve().parents[1])
+    if "mount:" in run.stderr or "unshare:" in run.stderr:
+        pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip()}")
+    assert run.stdout == ("/mnt/.out.resume/step-00000003.pt: no space left on device while writing it; free space "
+                          "there (or set output_dir to a larger disk) and re-run\n"), run.stderr  # and no temp file
