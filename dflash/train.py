@@ -30,14 +30,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, closing, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, closing, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +55,7 @@ from dflash.serving import serving_problems
 from dflash.train_cost import DRAFTER_FROM_TARGET
 from dflash.train_resume import (held_resume_dir, newest_resume_point, remove_resume_points, resume_dir,
                                  run_fingerprint, save_resume_point)
-from dflash.workflow import CONSOLE_FD, job_console, progress
+from dflash.workflow import CONSOLE_FD, job_console, progress, sigterm_exits
 
 ARCH_KEYS = ("num_layers", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "block_size",
              "mask_token_id", "target_layer_ids", "layer_types", "sliding_window")
@@ -162,7 +160,7 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
     fingerprint = run_fingerprint(cfg, tokenized, target_dir)
     online = _online_target(target_dir, dist.device) if cfg["hidden_states"] == "online" else None
     # rank 0 holds the resume folder: the others only read the point it holds before any is written
-    with _sigterm_raises(log), (held_resume_dir(resume, out_dir) if main else nullcontext()):
+    with sigterm_exits("training stopped; a re-run resumes from the newest resume point"), (held_resume_dir(resume, out_dir) if main else nullcontext()):
         with ShardData(tokenized, hidden if online is None else None, run.config.dflash_config["target_layer_ids"],
                        run.target_config.hidden_size, target_dir.name, log, online,
                        cfg["loss"]["labels"] == "target") as data, \
@@ -215,29 +213,6 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
     return {"steps": steps, "final_loss": train_log.final_loss, "first_loss": train_log.first_loss,
             "rows": data.summary["trainable_rows"], "tokens": data.summary["trainable_tokens"],
             "seconds": seconds, "resumed_from_step": step0}
-
-
-@contextmanager
-def _sigterm_raises(log: logging.Logger) -> Iterator[None]:
-    """SIGTERM (Snakemake cancelling the job, SLURM's time limit, torchrun stopping its ranks) as
-    SystemExit while training, so the ``finally`` blocks run: the output's temp folder is removed
-    and the resume folder's lock released. Python's default would end the process at once and
-    leave the temp folder beside the checkpoint. SystemExit, not an Exception: a reader's handler
-    of a file's faults must not take it for one."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
-        yield
-        return
-
-    def stop(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up short
-        log.warning("SIGTERM: training stopped; a re-run resumes from the newest resume point")
-        raise SystemExit(128 + signum)
-
-    before = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, before)
 
 
 def _skipped(step: int | None, train_log: TrainLog, cfg: dict, out_dir: Path, log: logging.Logger) -> None:

@@ -4,7 +4,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from dflash.io import read_json
@@ -96,12 +100,43 @@ def tell(logger: logging.Logger, message: str) -> None:
         print(f"[{os.environ[JOB]}] {message}", file=console, flush=True)
 
 
+def exit_on_sigterm(note: str):
+    """From now on SIGTERM (Snakemake cancelling a job, SLURM's time limit, torchrun stopping its
+    ranks) is SystemExit(143), logged with ``note``, so ``finally`` blocks and context managers
+    run: a stage's temp outputs are removed, its locks released. Python's default ends the process
+    at once and leaves the temp files beside the outputs. SystemExit, not an Exception: a reader's
+    handler of a file's faults must not take it for one. Returns the handler it replaced (None
+    off the main thread, which gets no signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up short
+        logging.getLogger("dflash.job").warning("SIGTERM: %s", note)
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, stop)
+
+
+@contextmanager
+def sigterm_exits(note: str) -> Iterator[None]:
+    """:func:`exit_on_sigterm` while the block runs (a ``dflash`` command's stage, torchrun's ranks)."""
+    before = exit_on_sigterm(note)
+    try:
+        yield
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
+
+
 def start_job(snakemake) -> None:
     """First call of every rule script: logging into the rule's log, failures as one line on the
-    console (the traceback in the log), progress lines on the console, torch threads."""
+    console (the traceback in the log), progress lines on the console, torch threads, SIGTERM as
+    an exit that removes the job's temp files."""
     from dflash.errors import install_job_hook
 
     log_to(snakemake.log[0])
+    exit_on_sigterm("the job stopped; its unfinished outputs are removed")
     logging.getLogger("dflash.job").info("rule %s: %s", snakemake.rule, job_context())
     os.environ[JOB] = job_label(snakemake.rule, dict(snakemake.wildcards.items()))
     install_job_hook(os.environ[JOB], snakemake.log[0])

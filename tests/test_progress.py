@@ -116,3 +116,29 @@ def test_a_failed_server_says_why_on_the_console(tmp_path):
     assert run.returncode == 1
     assert re.fullmatch(r"rule serve \(server=0\): server exited with 3 before it was healthy.*\(\d+ more lines in "
                         rf"the log\) \[log: {re.escape(str(tmp_path / 'serve.log'))}\]\n", run.stderr), run.stderr
+
+
+def test_a_job_stopped_by_sigterm_leaves_no_temp_files(tmp_path):
+    """Snakemake cancelling a job, or SLURM's time limit, sends SIGTERM: the job's unfinished
+    outputs (temp files beside the real ones) are removed, not left behind for ever."""
+    import signal
+
+    log = tmp_path / "job.log"
+    code = textwrap.dedent(f"""\
+        from types import SimpleNamespace
+        import time
+        from dflash.io import atomic_dir, atomic_path
+        from dflash.workflow import start_job
+        start_job(SimpleNamespace(rule='hidden', wildcards={{}}, log=[{str(log)!r}], threads=1))
+        with atomic_path({str(tmp_path / 'shard.safetensors')!r}) as tmp, atomic_dir({str(tmp_path / 'ckpt')!r}, 'checkpoint') as folder:
+            tmp.write_text('half'); (folder / 'model.safetensors').write_text('half')
+            print('writing', flush=True)
+            time.sleep(120)
+        """)
+    job = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert job.stdout.readline() == "writing\n"
+    job.send_signal(signal.SIGTERM)
+    job.wait(timeout=60)
+    assert job.returncode == 128 + signal.SIGTERM, job.stderr.read()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.log"]
+    assert "SIGTERM: the job stopped; its unfinished outputs are removed" in log.read_text()
