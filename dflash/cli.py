@@ -16,7 +16,7 @@ from dflash.config import ConfigError, defaults, load_config
 from dflash.dialects import LOGGING_SERVERS
 from dflash.errors import debug_requested, describe
 from dflash.vocabulary import CATEGORIES, TOOL_CATEGORY
-from dflash.workflow import demo_target_sources, set_threads, setup_logging
+from dflash.workflow import demo_target_sources, exit_on_sigterm, set_threads, setup_logging
 
 
 def _prompts(cfg, a):
@@ -389,6 +389,7 @@ def add_check(sub, common: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     setup_logging()
+    exit_on_sigterm(f"dflash {args.stage} stopped; its unfinished outputs are removed")
     if clash := path_clash(args):
         print(f"dflash {args.stage}: {clash}", file=sys.stderr)
         return 2
