@@ -66,7 +66,8 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
         raise ValueError(f"{prompts_path}: prompt id {twice[0]} appears more than once ({len(twice)} duplicated ids); "
                          f"every prompt id must be unique: re-run the prompts rule")
     partial = partial_path(out_path)
-    partial.parent.mkdir(parents=True, exist_ok=True)  # as every stage does: the lock and resume files go there first
+    with naming_full_disk(partial.parent):  # as every stage does: the lock and resume files go there first
+        partial.parent.mkdir(parents=True, exist_ok=True)
     mirror = PartialMirror(partial, cfg["mirror_every"]["records"], cfg["mirror_every"]["seconds"])
     with shard_lock(out_path):
         keep_finished_output(Path(out_path), partial)
