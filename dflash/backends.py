@@ -151,7 +151,8 @@ class ServerDown(ConnectionError):
 
 class Unfinished(ConnectionError):
     """A reply that never said the generation finished (no finish reason): a stream that ended
-    early (a dropped connection, a killed server, an empty stream) or ``finish_reason: null``. Its
+    early (a dropped connection, a killed server, an empty stream), a body cut short of its
+    Content-Length, or ``finish_reason: null``. Its
     text is a cut answer, never a ``stop``: the request failed, and is retried like a dropped
     connection."""
 
@@ -247,6 +248,9 @@ class OpenAIBackend:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no complete reply within generate.server.timeout_s ({self.timeout:g} s)")
             yield line
+        if response.length:  # iteration ends quietly where a reply is cut short of its Content-Length
+            raise Unfinished(f"the reply ended {response.length} bytes short of its Content-Length (a dropped "
+                             f"connection?)")
 
     def _read_json(self, response, deadline: float) -> dict:
         raw = b"".join(self._lines(response, deadline))

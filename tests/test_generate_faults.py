@@ -26,6 +26,12 @@ class Faults(BaseHTTPRequestHandler):
             return self.stream(fault, request)
         if fault in REPLIES:
             return self.send(200, json.dumps(self.reply(fault, request)).encode())
+        if fault == "cutbody":  # the connection drops mid-reply: the body ends short of its Content-Length
+            body = json.dumps(self.reply("reply", request)).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            return self.wfile.write(body[:len(body) // 2])
         if fault == "slow":
             time.sleep(1.5)
         echo = json.dumps({"error": f"invalid key {self.headers.get('Authorization')}"}).encode()
@@ -148,6 +154,8 @@ UNFINISHED = "ConnectionError: http://127.0.0.1:\\d+/{}/v1: the stream ended aft
     ("cut", STREAMED, UNFINISHED.format("cut", 2), 2),
     ("cut-chunked", STREAMED, UNFINISHED.format("cut-chunked", 2), 2),
     ("empty", STREAMED, UNFINISHED.format("empty", 0), 2),
+    ("cutbody", VLLM, "ConnectionError: http://127.0.0.1:\\d+/cutbody/v1: the reply ended \\d+ bytes short of its "
+                      "Content-Length", 2),
     ("nullfinish", VLLM, "ConnectionError: http://127.0.0.1:\\d+/nullfinish/v1: the reply has finish_reason null: "
                          "the server never said the generation finished", 2),
     ("ping", STREAMED, "ConnectionError: http://127.0.0.1:\\d+/ping/v1: no complete reply within "
