@@ -27,15 +27,22 @@ def adopted_record(prompt: dict, tokenizer, stop_ids: set[int]) -> dict:
     usage = imp["usage"]
     finish = finish_reason(imp["finish_reason"], imp["sampling"]["max_tokens"], stop_ids,
                            imp["output_token_ids"] if has_ids else None, usage.get("completion_tokens"))
+    generation = {"backend": "imported", "engine_version": imp["server"], "model": imp["model"],
+                  "sampling": imp["sampling"], "enable_thinking": thinking, "reconstructed": not has_ids}
+    if imp["finish_reason"] is None and finish == "stop" and not (has_ids and imp["output_token_ids"]
+                                                                   and imp["output_token_ids"][-1] in stop_ids):
+        # chat.finish_reason reads a missing reason as stop; only a stop token proves one here
+        return make_completion(prompt, "", "error", generation, error=(
+            "ValueError: the logged reply has finish_reason null and no stop token ends its output: an unfinished "
+            "generation (a dropped stream?), never a stop record; drop its line from the log, or raise "
+            "generate.max_error_fraction to keep the shard's other records"))
     if has_ids:
         out = imp["output_token_ids"]
         text, verbatim = tokenizer.decode(output_body(out, stop_ids), skip_special_tokens=False), True
     else:
         text, verbatim = served_output(prompt, imp["message"], thinking, finish, imp["server"], imp["tool_format"],
                                        tokenizer)
-    generation = {"backend": "imported", "engine_version": imp["server"], "model": imp["model"],
-                  "sampling": imp["sampling"], "enable_thinking": thinking, "reconstructed": not has_ids,
-                  "verbatim": verbatim}
+    generation["verbatim"] = verbatim
     return make_completion(prompt, text, finish, generation,
                            token_ids=(imp["prompt_token_ids"], imp["output_token_ids"]) if has_ids else (None, None),
                            usage=(usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0))
@@ -57,7 +64,7 @@ def adopt_files(paths: list[str], out_path, tokenizer, options: dict) -> dict:
                 counts["records"] += 1
                 counts[f"finish_{rec['finish_reason']}"] += 1
                 counts["with_ids"] += not rec["generation"]["reconstructed"]
-                counts["whitespace_restored"] += not rec["generation"]["verbatim"]
+                counts["whitespace_restored"] += rec["generation"].get("verbatim") is False  # (none: an error)
                 yield rec
 
     write_jsonl_zst(out_path, records())

@@ -4,10 +4,12 @@ server, its ``dialect`` deciding what is asked for and where the exact token ids
 request gives a :class:`Generation`."""
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import random
 import threading
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -147,6 +149,19 @@ class ServerDown(ConnectionError):
     """The server stopped answering: every recent request failed to connect, none succeeded."""
 
 
+class Unfinished(ConnectionError):
+    """A reply that never said the generation finished (no finish reason): a stream that ended
+    early (a dropped connection, a killed server, an empty stream), a body cut short of its
+    Content-Length, or ``finish_reason: null``. Its
+    text is a cut answer, never a ``stop``: the request failed, and is retried like a dropped
+    connection."""
+
+
+class WrongModel(RuntimeError):
+    """The server answered with another model than the one asked for: every record of the shard
+    would be that model's, so the job stops instead of making error records one by one."""
+
+
 class OpenAIBackend:
     """Any OpenAI-compatible chat server (SGLang, vLLM, ``transformers serve`` ...), one request
     at a time. The ``dialect`` decides which non-standard fields are sent (servers such as
@@ -225,34 +240,48 @@ class OpenAIBackend:
                                     f"reply since (last: {error})")
                 self.down.set()
 
-    def _read_json(self, response) -> dict:
-        raw = response.read()
+    def _lines(self, response, deadline: float):
+        """The reply's lines as they come, until ``deadline``: the socket's read timeout alone lets
+        a server that sends something now and then (SSE keep-alive comments, ``: ping``) hold a
+        request open as long as it likes."""
+        for line in response:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no complete reply within generate.server.timeout_s ({self.timeout:g} s)")
+            yield line
+        if response.length:  # iteration ends quietly where a reply is cut short of its Content-Length
+            raise Unfinished(f"the reply ended {response.length} bytes short of its Content-Length (a dropped "
+                             f"connection?)")
+
+    def _read_json(self, response, deadline: float) -> dict:
+        raw = b"".join(self._lines(response, deadline))
         self._answered()
         try:
             return json.loads(raw)
         except json.JSONDecodeError:
             raise ValueError(f"malformed response from {self.url}: not JSON: {self.redact(repr(raw[:200]))}") from None
 
-    def _post(self, body: dict, read=None):
-        """``read(response)`` of the server's reply to ``body`` (default: its JSON), with retries.
-        A stream cut by a connection error is requested again whole (same seed)."""
-        read = read or self._read_json
+    def _post(self, body: dict, read):
+        """``read(response, deadline)`` of the server's reply to ``body``, with retries; each try
+        ends by ``timeout_s`` (its ``deadline``, ``time.monotonic``). A stream cut by a connection
+        error, or that ends unfinished, is requested again whole (same seed)."""
         data = json.dumps(body).encode("utf-8")
         for attempt in range(self.retries + 1):
             if self.down.is_set():
                 raise ServerDown(self.down_reason)
             request = urllib.request.Request(f"{self.url}/chat/completions", data=data, headers=self.headers)
             try:
+                deadline = time.monotonic() + self.timeout
                 # Leaving the block closes the connection: how a stream cut for a loop aborts the request.
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return read(response)
+                    return read(response, deadline)
             except urllib.error.HTTPError as e:
                 self._answered()
                 detail = self.redact(e.read().decode("utf-8", "replace")[:500])
                 if e.code not in (408, 429) and e.code < 500 or attempt == self.retries:
                     raise RuntimeError(f"HTTP {e.code} from {self.url}: {detail}") from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-                error = self.redact(str(getattr(e, "reason", e)))
+            # http.client.HTTPException: a body cut short (IncompleteRead of a chunked reply)
+            except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as e:
+                error = self.redact(str(getattr(e, "reason", e)) or type(e).__name__)
                 self._unreachable(error)
                 if attempt == self.retries:
                     raise ConnectionError(f"{self.url}: {error}") from None
@@ -293,20 +322,57 @@ class OpenAIBackend:
 
     def generate(self, prompt: dict, sampling: dict, thinking: bool, seed: int) -> Generation:
         body = self.request_body(prompt, sampling, thinking, seed)
+        # Rendered before the request: the prompt ids a server returns must be these.
+        ours = self.tokenizer.encode(render(prompt["messages"], prompt.get("tools"), self.tokenizer, thinking),
+                                     add_special_tokens=False) if self.dialect.id_request else None
         if self.stream:
-            return self._post(body, lambda response: self._read_stream(response, sampling["max_tokens"]))
-        response = self._post(body)
+            g = self._post(body, lambda response, deadline: self._read_stream(response, deadline, sampling["max_tokens"]))
+        else:
+            g = self._post(body, lambda response, deadline: self._reply(self._read_json(response, deadline), prompt,
+                                                                         sampling, thinking))
+        if ours is not None and g.prompt_ids is not None and g.prompt_ids != ours:
+            at = next((i for i, (a, b) in enumerate(zip(g.prompt_ids, ours)) if a != b),
+                      min(len(ours), len(g.prompt_ids)))
+            raise ValueError(f"the server's prompt ids differ from ours at position {at} (server {len(g.prompt_ids)} "
+                             f"ids, ours {len(ours)}): a prompt the server truncated (its max_model_len?) or "
+                             f"rendered with another chat template or tokenizer, so the record's ids would not be "
+                             f"its conversation")
+        return g
+
+    def _same_model(self, reply: dict) -> None:
+        """Refuse a reply of another model than the one asked for (a server that does not serve the
+        model named in the request may answer with its own)."""
+        model = reply.get("model")
+        if model is not None and model != self.model_name:
+            raise WrongModel(f"server {self.url} answered with model {model}, asked for {self.model_name}: every "
+                             f"record would be another model's; point generate.server.url at the target's server, or "
+                             f"set generate.server.model to the name that server gives the target")
+
+    def _in_vocabulary(self, ids: list[int]) -> None:
+        """Refuse output ids the target's tokenizer has no token for (decoding drops them silently):
+        another model's or tokenizer's output."""
+        vocabulary = len(self.tokenizer)
+        if (bad := next((i for i in ids if not 0 <= i < vocabulary), None)) is not None:
+            raise ValueError(f"output id {bad} outside the target's vocabulary of {vocabulary}: the server runs "
+                             f"another model or tokenizer than the target's")
+
+    def _reply(self, response: dict, prompt: dict, sampling: dict, thinking: bool) -> Generation:
+        """The generation a whole (non-streamed) reply carries."""
         try:
             choice = response["choices"][0]
             choice["message"]
         except (KeyError, IndexError, TypeError):
             raise ValueError(f"malformed response from {self.url}: {self.redact(json.dumps(response)[:300])}") from None
+        self._same_model(response)
+        if choice.get("finish_reason") is None:
+            raise Unfinished("the reply has finish_reason null: the server never said the generation finished")
         prompt_ids = response.get("prompt_token_ids") or choice.get("prompt_token_ids")
         output_ids = choice.get("token_ids") or choice.get("response_token_ids")
         usage = response.get("usage") or {}
-        finish = finish_reason(choice.get("finish_reason"), sampling["max_tokens"], self.stop, output_ids,
+        finish = finish_reason(choice["finish_reason"], sampling["max_tokens"], self.stop, output_ids,
                                usage.get("completion_tokens"))
         if output_ids is not None:
+            self._in_vocabulary(output_ids)
             text = self.tokenizer.decode(output_body(output_ids, self.stop), skip_special_tokens=False)
             reconstructed = False
         else:
@@ -316,15 +382,17 @@ class OpenAIBackend:
         return Generation(text, finish, prompt_ids, output_ids, usage.get("prompt_tokens", len(prompt_ids or [])),
                           usage.get("completion_tokens", len(output_ids or [])), reconstructed)
 
-    def _read_stream(self, response, max_tokens: int) -> Generation:
+    def _read_stream(self, response, deadline: float, max_tokens: int) -> Generation:
         """The generation an SSE stream carries: the same one the non-streamed reply would give
         (ids, text decoded from them, finish reason, usage), or, when the LoopWatch finds a loop
-        before the stream ends, a ``loop_abort`` with the ids received so far."""
+        before the stream ends, a ``loop_abort`` with the ids received so far. A stream that ends
+        before a chunk gives the finish reason is ``Unfinished``: a kill -9 of the server ends it
+        as cleanly as ``[DONE]`` does."""
         watch = so_far = None
         if self.loop_thresholds:
             watch, so_far = LoopWatch(**self.loop_thresholds), IncrementalText(self.tokenizer)
         prompt_ids, output_ids, reported, usage, answered = None, [], None, {}, False
-        for line in response:
+        for line in self._lines(response, deadline):
             if not line.startswith(b"data:"):
                 continue  # blank separators, SSE comments
             data = line[5:].strip()
@@ -340,10 +408,12 @@ class OpenAIBackend:
                                  f"{self.redact(repr(data[:200]))}") from None
             if "error" in chunk:  # vLLM reports a failure after the 200 as a data line
                 raise RuntimeError(f"error in the stream from {self.url}: {self.redact(json.dumps(chunk)[:500])}")
+            self._same_model(chunk)
             prompt_ids = chunk.get("prompt_token_ids") or prompt_ids
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or ():
                 ids = choice.get("token_ids") or []
+                self._in_vocabulary(ids)
                 output_ids.extend(ids)
                 reported = choice.get("finish_reason") or reported
                 # A loop seen in the last chunk changes nothing: the generation is over anyway.
@@ -352,6 +422,9 @@ class OpenAIBackend:
                     received = self.tokenizer.decode(output_ids, skip_special_tokens=False)
                     return Generation(received, "loop_abort", prompt_ids, output_ids, len(prompt_ids or []),
                                       len(output_ids), loop={"pattern": loop, "first_position": watch.first_position})
+        if reported is None:
+            raise Unfinished(f"the stream ended after {len(output_ids)} tokens without a finish reason (a dropped "
+                             f"connection, a killed server?): the generation is unfinished")
         if not output_ids and usage.get("completion_tokens"):
             raise ValueError(f"the stream from {self.url} carried no token ids: does the server take "
                              f"return_token_ids (dialect {self.dialect.name})?")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 EXPECTED = (ValueError, OSError, RuntimeError)  # OSError: missing files, full disks, unreachable servers
@@ -46,12 +46,14 @@ def install_job_hook(job: str, log_file: str) -> None:
     def hook(kind, error, tb):
         if issubclass(kind, KeyboardInterrupt):
             return sys.__excepthook__(kind, error, tb)
-        traceback.print_exception(kind, error, tb, file=sys.stderr)
+        with suppress(OSError):  # a full disk under the log: the console line must still come
+            traceback.print_exception(kind, error, tb, file=sys.stderr)
         console = sys.__stderr__
         if debug_requested():
             traceback.print_exception(kind, error, tb, file=console)
         print(failure_line(job, describe(error), log_file), file=console, flush=True)
-        print(f"rule {job} failed: {describe(error)}", file=sys.stderr, flush=True)
+        with suppress(OSError):
+            print(f"rule {job} failed: {describe(error)}", file=sys.stderr, flush=True)
 
     sys.excepthook = hook
 

@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from dflash.adopt import adopted_record
-from dflash.backends import BACKENDS, ServerDown, resolve_sampling
+from dflash.backends import BACKENDS, ServerDown, WrongModel, resolve_sampling
 from dflash.chat import stop_token_ids
 from dflash.config import completed
 from dflash.errors import describe
@@ -66,7 +66,8 @@ def generate_shard(prompts_path: Path, out_path: Path, target_dir: Path, cfg: di
         raise ValueError(f"{prompts_path}: prompt id {twice[0]} appears more than once ({len(twice)} duplicated ids); "
                          f"every prompt id must be unique: re-run the prompts rule")
     partial = partial_path(out_path)
-    partial.parent.mkdir(parents=True, exist_ok=True)  # as every stage does: the lock and resume files go there first
+    with naming_full_disk(partial.parent):  # as every stage does: the lock and resume files go there first
+        partial.parent.mkdir(parents=True, exist_ok=True)
     mirror = PartialMirror(partial, cfg["mirror_every"]["records"], cfg["mirror_every"]["seconds"])
     with shard_lock(out_path):
         keep_finished_output(Path(out_path), partial)
@@ -185,6 +186,10 @@ def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out
             mirror.push()
             raise ServerDown(f"{e}: is the server down? The {len(done)} finished prompts of {name} are kept in "
                              f"{partial}: start the server and re-run to resume") from None
+        except WrongModel as e:  # the finished prompts passed the same check: they are the target's
+            bar.close()
+            mirror.push()
+            raise WrongModel(f"{name}: {e} (the {len(done)} finished prompts are kept in {partial})") from None
     bar.close()
     records = [r for i in ids for r in (done.get(i) or errors[i])]
     summary = {"shard": name, "prompts": len(prompts), "records": len(records), "resumed": resumed,
@@ -196,7 +201,7 @@ def _generate_shard(prompts: list[dict], ids: list[str], prompts_path: Path, out
     log.info("generate %s: %s", name, summary)
     if len(errors) > cfg["max_error_fraction"] * len(prompts):
         mirror.push()
-        example = next(r["error"] for recs in errors.values() for r in recs if r["error"])
+        example = next(f"record {r['id']}: {r['error']}" for recs in errors.values() for r in recs if r["error"])
         raise RuntimeError(f"{name}: {len(errors)} of {len(prompts)} prompts failed (e.g. {example}); "
                            f"the {len(done)} finished ones are kept in {partial}: re-run to resume")
     write_shard(out_path, records, summary_path, summary)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
-from dflash.backends import Generation, ServerDown, TransformersBackend
+from dflash.backends import Generation, ServerDown, TransformersBackend, WrongModel
 from dflash.chat import TokenScreen
 from dflash.records import make_completion
 from dflash.toolcalls import parse_tool_calls, text_before_calls
@@ -21,11 +21,13 @@ def sample_seed(base: int, prompt_id: str, step: int = 0) -> int:
 
 def attempt(backend, prompt: dict, sampling: dict, thinking: bool, step: int = 0) -> Generation | Exception:
     """One request to ``backend``, or the exception that failed it; a server that stopped answering
-    is raised: no prompt can succeed, the job stops."""
+    or answers as another model is raised: no prompt can succeed, the job stops."""
     try:
         return backend.generate(prompt, sampling, thinking, sample_seed(sampling["seed"], prompt["id"], step))
     except ServerDown:
         raise
+    except WrongModel as e:
+        raise WrongModel(f"record {prompt['id']}{f'-g{step}' if step else ''}: {e}") from None
     except Exception as e:  # one bad prompt must not cost the shard: it becomes an error record
         return e
 

@@ -53,7 +53,9 @@ def shard_lock(out_path: Path, poll_s: float = 5.0):
     here until the first one ends. Needs flock on the shared file system (NFSv4; Lustre mounted
     with -o flock); where it has none, the job goes on with a warning."""
     lock = Path(out_path).with_name(f".{Path(out_path).name}.lock")
-    with open(lock, "a") as f:
+    with naming_full_disk(lock):  # the open alone: a full disk met while the lock is held is the writer's to name
+        f = open(lock, "a")
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

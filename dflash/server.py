@@ -23,7 +23,7 @@ from pathlib import Path
 
 from dflash.config import render_command
 from dflash.errors import failure_line, install_job_hook
-from dflash.io import read_json, write_json
+from dflash.io import naming_full_disk, read_json, write_json
 from dflash.workflow import job_context, job_label, log_to
 
 log = logging.getLogger("dflash.server")  # not __main__ under python -m
@@ -88,8 +88,10 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> ServerProcess:
-        self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_file, "a") as log:
+        with naming_full_disk(self.log_file):
+            self.log_file.parent.mkdir(parents=True, exist_ok=True)
+            log = open(self.log_file, "a")
+        with log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=True,
                                          preexec_fn=_die_with_parent if _LIBC else None)

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from dflash.io import read_json
+from dflash.io import naming_full_disk, read_json
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,8 @@ class PartialMirror:
         if not self.url or self.partial.exists():
             return 0
         try:
-            self.client.download_file(self.bucket, self.key, str(self.partial))
+            with naming_full_disk(self.partial):
+                self.client.download_file(self.bucket, self.key, str(self.partial))
         except Exception as e:
             if s3_missing(e):
                 return 0

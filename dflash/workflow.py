@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from dflash.io import read_json
+from dflash.io import naming_full_disk, read_json
 from dflash.units import clock, plural, rate_text
 
 
@@ -46,10 +46,31 @@ def setup_logging(log_file: str | Path | None = None, level: int = logging.INFO)
     logging.getLogger("transformers").propagate = False
 
 
+class LogStream:
+    """A job's stderr, its log file: a full disk there is a ``DiskFull`` naming the log, not a bare
+    ``[Errno 28]`` from whatever printed (a progress bar, a library's warning)."""
+
+    def __init__(self, log_file: str | Path):
+        self.path = Path(log_file)
+        with naming_full_disk(self.path):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.path, "a", buffering=1)
+
+    def write(self, text: str) -> int:
+        with naming_full_disk(self.path):
+            return self.file.write(text)
+
+    def flush(self) -> None:
+        with naming_full_disk(self.path):
+            self.file.flush()
+
+    def __getattr__(self, name):  # isatty, fileno, encoding ...: the file's own
+        return getattr(self.file, name)
+
+
 def log_to(log_file: str | Path) -> None:
     """Everything a job prints (logging, progress bars, a traceback) into its log file."""
-    Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-    sys.stderr = open(log_file, "a", buffering=1)
+    sys.stderr = LogStream(log_file)
     setup_logging(log_file)
 
 

@@ -175,12 +175,13 @@ def exchanges(tok):
     return out
 
 
-def adopt(tmp_path, tok, target_dir, lines, path=None):
+def adopt(tmp_path, tok, target_dir, lines, path=None, max_error_fraction=0.0):
     src = tmp_path / "logged.jsonl.zst"
     write_jsonl_zst(src, lines)
     build_prompts([{"name": "logged", "path": path or str(src), "format": "chat_completions", "split": "train"}],
                   tmp_path / "prompts", shard_size=100)
-    cfg = {"backend": "openai", "enable_thinking": True, "server": {"concurrency": 1}, "max_error_fraction": 0.0}
+    cfg = {"backend": "openai", "enable_thinking": True, "server": {"concurrency": 1},
+           "max_error_fraction": max_error_fraction}
     summary = generate_shard(tmp_path / "prompts/shard-00000.jsonl.zst", tmp_path / "c.jsonl.zst", target_dir, cfg)
     return summary, read_jsonl(tmp_path / "c.jsonl.zst")
 
@@ -250,6 +251,23 @@ def test_logged_call_cut_at_the_cap_is_a_length_finish(tmp_path, tok, target_dir
     assert [r["finish_reason"] for r in recs] == ["length", "length"] and summary["finish_reasons"]["length"] == 2
     (cut,) = [r for r in recs if r["output_token_ids"]]
     assert cut["output_token_ids"] == cut_ids and cut["text"] == tok.decode(cut_ids, skip_special_tokens=False)
+
+
+def test_a_logged_reply_without_a_finish_reason_is_no_stop_record(tmp_path, tok, target_dir):
+    """finish_reason null (a stream the logger saw cut): a failed record, unless a stop token ends
+    its output ids, which proves the stop."""
+    unfinished = {"request": request(ASK), "response": vllm_response(CASES[0][3]["vllm"], None)}
+    raw = emitted(tok, ASK, turn("Two cities.", "Let me check both.", PARIS, ROME))
+    out_ids = tok.encode(raw, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    proven = {"request": request(ASK), "response": vllm_response(CASES[2][3]["vllm"], None)}
+    proven["response"]["prompt_token_ids"] = tok.encode(tok.apply_chat_template(
+        ASK, tools=TOOLS, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    proven["response"]["choices"][0]["token_ids"] = out_ids
+    summary, recs = adopt(tmp_path, tok, target_dir, [unfinished, proven], max_error_fraction=1.0)
+    assert sorted(r["finish_reason"] for r in recs) == ["error", "stop"] and summary["errors"] == 1
+    failed = next(r for r in recs if r["finish_reason"] == "error")
+    assert failed["error"].startswith("ValueError: the logged reply has finish_reason null and no stop token ends its "
+                                      "output: an unfinished generation (a dropped stream?), never a stop record")
 
 
 def test_adopted_from_s3(tmp_path, tok, target_dir, s3):

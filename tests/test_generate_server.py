@@ -67,7 +67,7 @@ def test_openai_backend_against_a_real_server(server, prompts, target, target_di
 def test_unreachable_server_fails_the_job_or_gives_error_records(prompts, target_dir, tmp_path):
     path, _ = prompts
     url = f"http://127.0.0.1:{free_port()}/v1"
-    with pytest.raises(RuntimeError, match=r"4 of 4 prompts failed \(e\.g\. ConnectionError: http://127"):
+    with pytest.raises(RuntimeError, match=r"4 of 4 prompts failed \(e\.g\. record \w+: ConnectionError: http://127"):
         generate_shard(path, tmp_path / "c.jsonl.zst", target_dir, cfg(url, retries=0))
     summary = generate_shard(path, tmp_path / "c.jsonl.zst", target_dir, cfg(url, max_error_fraction=1.0, retries=0))
     out = read_jsonl(tmp_path / "c.jsonl.zst")
