@@ -113,7 +113,8 @@ def read_exclusions(paths: list[str | Path]) -> dict[str, str]:
     generation of that prompt; a record id (``<prompt id>-gN``) only that generation."""
     excluded: dict[str, str] = {}
     for path in map(Path, paths):
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        # utf-8-sig: a list saved by a Windows editor starts with a BOM, which would hide its first id
+        for lineno, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
             where = f"{path}:{lineno}"
             if path.suffix == ".jsonl":
                 if not line.strip():

@@ -19,7 +19,7 @@ TOOL_CATEGORY = "tool"  # the category whose kept records should call tools (gat
 # Problems that make a parsed call unusable as a training example of calling a tool (the other
 # tool codes say where a call sits, not whether it is one).
 BAD_CALL = ("tool_unclosed", "tool_bad_json", "tool_bad_xml", "tool_unknown_name", "tool_args_schema",
-            "tool_missing_required", "tool_without_tools")
+            "tool_missing_required", "tool_without_tools", "tool_bad_schema")
 
 
 def calls_a_tool(qa: dict) -> bool:
