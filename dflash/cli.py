@@ -15,7 +15,7 @@ from pathlib import Path
 from dflash.config import ConfigError, defaults, load_config
 from dflash.dialects import LOGGING_SERVERS
 from dflash.errors import debug_requested, describe
-from dflash.vocabulary import CATEGORIES, TOOL_CATEGORY
+from dflash.vocabulary import CATEGORIES, TOOL_CATEGORY, terminal_safe
 from dflash.workflow import demo_target_sources, set_threads, setup_logging
 
 
@@ -137,7 +137,8 @@ def _check_tools(a) -> int:
     check_filters(category=[a.category])
     gates = load_config(a.config)["gates"] if a.config else defaults("gates")
     result = check_tools(a.output_dir, gates, a.category, a.examples)
-    print(json.dumps(result, indent=1, ensure_ascii=False) if a.json else render(result))
+    print(terminal_safe(json.dumps(result, indent=1, ensure_ascii=False), json_escapes=True) if a.json
+          else render(result))
     return 3 if result["verdict"] == "not usable" else 0
 
 

@@ -554,3 +554,26 @@ def test_a_validate_on_a_disk_already_full_names_the_file(tmp_path):
     assert run.stderr.strip().splitlines()[-1].endswith(".jsonl.zst: no space left on device while writing it; free "
                                                         "space there (or set output_dir to a larger disk) and re-run")
     assert "Errno" not in run.stderr
+
+
+def test_errors_and_log_lines_quoting_record_text_are_escaped(tmp_path):
+    import logging
+
+    from dflash.errors import describe, failure_line
+    from dflash.workflow import setup_logging
+    from tests.test_inspect import HOSTILE
+
+    line = failure_line("prompts", describe(ValueError(f"in.jsonl:3: {HOSTILE}")), "logs/prompts.log")
+    assert line.startswith("rule prompts: in.jsonl:3: Sure.\\x1b]0;owned\\x07")
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        setup_logging(tmp_path / "job.log")
+        logging.getLogger("dflash.prompts").warning("prompt x (in:1): template_error: %s", HOSTILE)
+    finally:
+        root.handlers[0].close()
+        root.handlers[:], root.level = handlers, level
+    logged = (tmp_path / "job.log").read_text()
+    assert "template_error: Sure.\\x1b]0;owned\\x07\\x1b]52;c;" in logged
+    for shown in (line, logged):
+        assert not {"\x1b", "\x07", "\r", "\x9b", "\u202e"} & set(shown)
