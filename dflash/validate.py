@@ -123,6 +123,9 @@ def read_exclusions(paths: list[str | Path]) -> dict[str, str]:
                     entry = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+                except RecursionError:
+                    raise ValueError(f"{where}: nested too deeply for a JSON parser; expected a flat "
+                                     f'{{"id", "reason"}} object') from None
                 if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
                     raise ValueError(f'{where}: expected an object with a string "id" (and an optional "reason")')
                 excluded[entry["id"]] = str(entry.get("reason") or UNSTATED)

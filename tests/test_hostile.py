@@ -577,3 +577,13 @@ def test_errors_and_log_lines_quoting_record_text_are_escaped(tmp_path):
     assert "template_error: Sure.\\x1b]0;owned\\x07\\x1b]52;c;" in logged
     for shown in (line, logged):
         assert not {"\x1b", "\x07", "\r", "\x9b", "\u202e"} & set(shown)
+
+
+def test_tool_call_arguments_nested_too_deeply_are_a_template_error_not_a_crash(tmp_path, target):
+    deep = "[" * 5000 + "]" * 5000
+    history = {"messages": [{"role": "user", "content": "Weather?"},
+                            {"role": "assistant", "content": "", "tool_calls": [
+                                {"type": "function", "function": {"name": "get_weather", "arguments": deep}}]},
+                            {"role": "user", "content": "Well?"}]}
+    manifest = build_prompts([source(tmp_path, [history, ask("Hello")])], tmp_path / "p", 10, checks(target))
+    assert manifest["sources"]["in"]["dropped"] == {"template_error": 1}

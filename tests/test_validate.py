@@ -205,7 +205,7 @@ def test_excluded_ids_are_rejected_with_their_reason(tmp_path):
 
 
 @pytest.mark.parametrize("line, message", [("a b", "one sample id per line"), ('{"reason": "x"}', 'string "id"'),
-                                           ("{oops", "not valid JSON")])
+                                           ("{oops", "not valid JSON"), ('{"id": ' + "[" * 5000, "nested too deeply")])
 def test_bad_exclusion_line_names_file_and_line(tmp_path, line, message):
     from dflash.validate import read_exclusions
 
