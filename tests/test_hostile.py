@@ -587,3 +587,20 @@ def test_tool_call_arguments_nested_too_deeply_are_a_template_error_not_a_crash(
                             {"role": "user", "content": "Well?"}]}
     manifest = build_prompts([source(tmp_path, [history, ask("Hello")])], tmp_path / "p", 10, checks(target))
     assert manifest["sources"]["in"]["dropped"] == {"template_error": 1}
+
+
+def test_files_saved_with_a_bom_read_as_without(tmp_path):
+    """A Windows editor starts a file with a BOM: the first record, key or id must survive it."""
+    import zstandard
+
+    text = ("\ufeff" + json.dumps(ask("Hello")) + "\n" + json.dumps(ask("Bye")) + "\n").encode()
+    (tmp_path / "in.jsonl").write_bytes(text)
+    (tmp_path / "in.jsonl.zst").write_bytes(zstandard.ZstdCompressor(write_checksum=True).compress(text))
+    for name in ("in.jsonl", "in.jsonl.zst"):
+        manifest = build_prompts([{"name": "in", "path": str(tmp_path / name), "category": "chat"}],
+                                 tmp_path / name.replace(".", "-"), 10)
+        assert manifest["prompts"] == 2
+    (tmp_path / "c.yaml").write_bytes("\ufeff".encode() + yaml.safe_dump(config()).encode())
+    assert read_yaml(tmp_path / "c.yaml")["prompts"]["sources"][0]["name"] == "in"
+    (tmp_path / "x.json").write_bytes('\ufeff{"a": 1}'.encode())
+    assert read_json(tmp_path / "x.json") == {"a": 1}
