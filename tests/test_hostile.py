@@ -530,7 +530,8 @@ def test_a_line_over_max_line_bytes_is_skipped_without_being_held(tmp_path, capl
     finally:
         tracemalloc.stop()
     assert manifest["sources"]["in"] == {"records": 3, "kept": 2, "dropped": {"line_too_long": 1}, "flagged": {}}
-    assert f"{path}:2: line_too_long: a line longer than 1,048,576 bytes (prompts.max_line_bytes): skipped" in caplog.text
+    assert (f"{path}:2: line_too_long: a line longer than 1,048,576 bytes (prompts.max_line_bytes): skipped"
+            in caplog.text)
     assert peak < 8 << 20, peak  # the line alone is 16 MB
 
 

@@ -319,7 +319,8 @@ UNUSABLE_SCHEMAS = [
 
 @pytest.mark.parametrize("parameters", UNUSABLE_SCHEMAS)
 def test_a_schema_jsonschema_cannot_use_rejects_its_record_not_the_shard(tmp_path, parameters):
-    write_jsonl_zst(tmp_path / "c.jsonl.zst", [GOOD, {**answer(xml(city="Paris"), tools=[tool(parameters)]), "id": "bad"}])
+    bad = {**answer(xml(city="Paris"), tools=[tool(parameters)]), "id": "bad"}
+    write_jsonl_zst(tmp_path / "c.jsonl.zst", [GOOD, bad])
     rep = validate_shard(tmp_path / "c.jsonl.zst", tmp_path / "v.jsonl.zst", tmp_path / "r.jsonl.zst",
                          tmp_path / "qa.json", CFG)
     [rejected] = read_jsonl(tmp_path / "r.jsonl.zst")
