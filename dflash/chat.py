@@ -26,6 +26,7 @@ from collections import Counter
 from typing import Iterator
 
 from dflash.dialects import DIALECTS
+from dflash.io import MAX_JSON_DEPTH, deeper_than
 
 THINK_CLOSE = "</think>"
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -35,12 +36,17 @@ def call_arguments(fn: dict) -> dict:
     """A tool call's arguments as a mapping: the OpenAI wire sends them as a JSON string, which
     SGLang and vLLM parse before rendering; the template iterates over a mapping."""
     args = fn.get("arguments")
+    too_deep = f"tool call {fn.get('name')!r}: arguments nest more than {MAX_JSON_DEPTH} levels deep"
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError as e:
             raise ValueError(f"tool call {fn.get('name')!r}: arguments are not valid JSON ({e.msg}): {args[:80]!r}") \
                 from None
+        except RecursionError:  # deeper than json parses
+            raise ValueError(too_deep) from None
+    if deeper_than(args):  # the template's tojson and every walk after it would recurse past Python's limit
+        raise ValueError(too_deep)
     if args is None:
         return {}
     if not isinstance(args, dict):

@@ -20,7 +20,7 @@ from dflash.loops import LOOP_MIN_REPEATS, loop_patterns
 from dflash.storage import list_objects, local_copy, split_s3
 from dflash.toolcalls import call_problems
 from dflash.units import percent
-from dflash.vocabulary import ANCHORS, BAD_CALL, TAGS, TOOL_CATEGORY, calls_a_tool, excerpt
+from dflash.vocabulary import ANCHORS, BAD_CALL, TAGS, TOOL_CATEGORY, calls_a_tool, excerpt, terminal_safe
 
 # The verdict. "not usable" comes from the two gates (gates.max_category_reject_rate and
 # gates.min_tool_call_share, read from the config or the schema's defaults, so the check and the
@@ -366,4 +366,4 @@ def render(r: dict) -> str:
             for ex in found:
                 out.append(f"    {ex['id']}" + (f"  [{ex['detail']}]" if ex.get("detail") else ""))
                 out.append(f"      {ex['excerpt']}")
-    return "\n".join(out)
+    return terminal_safe("\n".join(out))

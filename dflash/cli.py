@@ -15,7 +15,7 @@ from pathlib import Path
 from dflash.config import ConfigError, defaults, load_config
 from dflash.dialects import LOGGING_SERVERS
 from dflash.errors import debug_requested, describe
-from dflash.vocabulary import CATEGORIES, TOOL_CATEGORY
+from dflash.vocabulary import CATEGORIES, TOOL_CATEGORY, terminal_safe
 from dflash.workflow import demo_target_sources, exit_on_sigterm, set_threads, setup_logging
 
 
@@ -31,7 +31,7 @@ def _prompts(cfg, a):
         raise FileNotFoundError(f"{target}: no such model folder (its tokenizer and template screen the prompts): "
                                 f"{fix}")
     build_prompts(cfg["prompts"]["sources"], a.out, cfg["prompts"]["shard_size"],
-                  prompt_checks(target, prompt_check_settings(cfg)))
+                  prompt_checks(target, prompt_check_settings(cfg)), cfg["prompts"]["max_line_bytes"])
 
 
 def _target(cfg, a):
@@ -137,7 +137,8 @@ def _check_tools(a) -> int:
     check_filters(category=[a.category])
     gates = load_config(a.config)["gates"] if a.config else defaults("gates")
     result = check_tools(a.output_dir, gates, a.category, a.examples)
-    print(json.dumps(result, indent=1, ensure_ascii=False) if a.json else render(result))
+    print(terminal_safe(json.dumps(result, indent=1, ensure_ascii=False), json_escapes=True) if a.json
+          else render(result))
     return 3 if result["verdict"] == "not usable" else 0
 
 

@@ -13,6 +13,8 @@ import traceback
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from dflash.vocabulary import terminal_safe
+
 EXPECTED = (ValueError, OSError, RuntimeError)  # OSError: missing files, full disks, unreachable servers
 
 
@@ -21,7 +23,11 @@ def debug_requested() -> bool:
 
 
 def describe(error: BaseException) -> str:
-    """The message a user sees for ``error``."""
+    """The message a user sees for ``error``, terminal-safe: it may quote record text."""
+    return terminal_safe(_described(error))
+
+
+def _described(error: BaseException) -> str:
     if isinstance(error, OSError) and error.filename is not None and error.strerror and not str(error).startswith(
             str(error.filename)):
         return f"{error.filename}: {error.strerror}"

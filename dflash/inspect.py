@@ -17,7 +17,7 @@ from dflash.config import defaults
 from dflash.io import check_zstd, iter_jsonl, read_json
 from dflash.tensors import open_safetensors
 from dflash.storage import local_copy
-from dflash.vocabulary import CATEGORIES
+from dflash.vocabulary import CATEGORIES, terminal_safe
 
 # What a record is whole from its head (a JSONL record is its own head).
 Entry = tuple[dict, Callable[[], dict]]
@@ -196,7 +196,7 @@ def inspect(path: str, categories=(), reasons=(), flags=(), ids=(), limit: int |
         if limit is not None and shown >= limit:
             continue
         rec = whole()
-        out.write((json.dumps(rec, ensure_ascii=False) if as_json else render(rec, None if full else 1200, tokenizer))
-                  + "\n")
+        out.write((terminal_safe(json.dumps(rec, ensure_ascii=False), json_escapes=True) if as_json
+                   else terminal_safe(render(rec, None if full else 1200, tokenizer))) + "\n")
         shown += 1
     return shown, matched

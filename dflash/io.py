@@ -232,7 +232,9 @@ def zst_lines(path: Path, level: int = 3, shown: str | os.PathLike | None = None
     ``atomic_files``), complete when the block ends; a full disk is named ``shown`` (the output the
     temp file becomes), whichever of several open writers met it."""
     shown = Path(shown or path)
-    with open(path, "wb") as raw:
+    # The close is named too: after a failed flush, closing the file flushes again, and that bare
+    # [Errno 28] would replace the DiskFull the flush raised.
+    with naming_full_disk(shown), open(path, "wb") as raw:
         out = zstandard.ZstdCompressor(level=level, write_checksum=True).stream_writer(raw, closefd=False)
         put = out.write
 
@@ -379,7 +381,8 @@ def check_zstd(path: str | os.PathLike) -> int:
     return lines
 
 
-def iter_jsonl_lines(path: str | os.PathLike, skip_arrays: tuple[str, ...] = ()) -> Iterator[tuple[bytes, dict]]:
+def iter_jsonl_lines(path: str | os.PathLike, skip_arrays: tuple[str, ...] = (), max_line_bytes: int | None = None,
+                     skipped: Callable[[int, str, str], None] | None = None) -> Iterator[tuple[bytes, dict]]:
     """(raw line, record) of a JSONL file, zstd-compressed when the name ends in ``.zst``.
 
     ``skip_arrays``: top-level keys holding flat arrays of numbers (token ids) that the reader does
@@ -387,25 +390,75 @@ def iter_jsonl_lines(path: str | os.PathLike, skip_arrays: tuple[str, ...] = ())
     in the raw line. A line that is not a JSON object raises ``ValueError`` naming the file and line;
     so does a zstd file that is cut, damaged or not zstd at all, once the records before the damage
     are read (a consumer writing through ``atomic_path`` then writes nothing).
+
+    ``max_line_bytes``: a longer line is read past in bounded pieces, never held whole (a 98 KB
+    zstd source can be one 3 GB line). Such a line, and one nested too deeply for ``json`` to parse
+    (``RecursionError``), is passed to ``skipped(line number, reason code, detail)`` and left out
+    when the caller gives it; else it is a ``ValueError`` naming the file and line.
     """
     path = Path(path)
     records = 0
     with open(path, "rb") as raw:
         _refuse_gzip(path, raw)
         if path.suffix != ".zst":
-            yield from _parse_lines(path, raw, skip_arrays)
+            yield from _parse_lines(path, raw, skip_arrays, max_line_bytes, skipped)
             return
         try:
-            for item in _parse_lines(path, io.BufferedReader(CheckedZstdReader(raw), 1 << 20), skip_arrays):
+            for item in _parse_lines(path, io.BufferedReader(CheckedZstdReader(raw), 1 << 20), skip_arrays,
+                                     max_line_bytes, skipped):
                 yield item
                 records += 1
         except (_ZstdCut, zstandard.ZstdError) as e:
             raise _stream_fault(path, e, records) from None
 
 
-def _parse_lines(path: Path, stream, skip_arrays: tuple[str, ...]) -> Iterator[tuple[bytes, dict]]:
+def _bounded_lines(stream, limit: int | None) -> Iterator[bytes | None]:
+    """The stream's lines; None for a line over ``limit`` bytes (its newline not counted), which
+    is read past a megabyte at a time."""
+    if limit is None:
+        yield from stream
+        return
+    while line := stream.readline(limit + 1):
+        if len(line) > limit and not line.endswith(b"\n"):
+            while (rest := stream.readline(1 << 20)) and not rest.endswith(b"\n"):
+                pass
+            yield None
+        else:
+            yield line
+
+
+# Nesting no JSON record of ours needs, and well inside what Python's recursion limit lets json,
+# jsonschema and the recursive walks over a record (templates, text scans) go through.
+MAX_JSON_DEPTH = 64
+
+
+def deeper_than(value, depth: int = MAX_JSON_DEPTH) -> bool:
+    """Whether a parsed JSON value nests lists and objects more than ``depth`` levels (found
+    without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (dict, list)):
+            if level > depth:
+                return True
+            stack.extend((v, level + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
+def _unreadable(path: Path, lineno: int, skipped: Callable[[int, str, str], None] | None, code: str,
+                detail: str) -> None:
+    if skipped is None:
+        raise ValueError(f"{path}:{lineno}: {detail}")
+    skipped(lineno, code, detail)
+
+
+def _parse_lines(path: Path, stream, skip_arrays: tuple[str, ...], max_line_bytes: int | None = None,
+                 skipped: Callable[[int, str, str], None] | None = None) -> Iterator[tuple[bytes, dict]]:
     keys = tuple(f', "{k}": ['.encode() for k in skip_arrays)
-    for lineno, line in enumerate(stream, 1):
+    for lineno, line in enumerate(_bounded_lines(stream, max_line_bytes), 1):
+        if line is None:
+            _unreadable(path, lineno, skipped, "line_too_long", f"a line longer than {max_line_bytes:,} bytes")
+            continue
         if line.isspace():  # not strip(): that would copy every long line
             continue
         try:
@@ -417,6 +470,9 @@ def _parse_lines(path: Path, stream, skip_arrays: tuple[str, ...]) -> Iterator[t
                     rec.pop(k, None)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', e)})") from None
+        except RecursionError:
+            _unreadable(path, lineno, skipped, "too_deep", "lists or objects nested too deeply for a JSON parser")
+            continue
         if not isinstance(rec, dict):
             raise ValueError(f"{path}:{lineno}: a JSON {type(rec).__name__} where a record object belongs")
         yield line, rec
@@ -464,7 +520,7 @@ def write_json(path: str | os.PathLike, obj) -> None:
 
 def read_json(path: str | os.PathLike):
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        return json.loads(Path(path).read_text(encoding="utf-8-sig"))  # a BOM, as some editors save, is no error
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg}): {REWRITE}") from None
     except UnicodeDecodeError:

@@ -104,10 +104,12 @@ def prompt_checks(target_dir: str | Path, settings: dict) -> PromptChecks:
     ``max_position_embeddings``."""
     from transformers import AutoConfig, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    # local_files_only: the target is a folder the rule names; a name that is not one is never a Hub download
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
     context = settings["context_length"]
     if context is None:
-        context = getattr(AutoConfig.from_pretrained(target_dir).get_text_config(), "max_position_embeddings", None)
+        context = getattr(AutoConfig.from_pretrained(target_dir, local_files_only=True).get_text_config(),
+                          "max_position_embeddings", None)
     if context is None:
         raise ValueError(f"{target_dir}: the model config names no max_position_embeddings; set generate.context_length")
     return PromptChecks(tokenizer, context, settings["max_tokens"], settings["enable_thinking"],

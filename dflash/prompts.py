@@ -37,10 +37,12 @@ import zstandard
 
 from dflash.chat import rebuild_text, template_message
 from dflash.dialects import detect_server
-from dflash.io import atomic_dir, dumps_line, iter_jsonl, jsonl_zst_writer, shard_name, write_json
+from dflash.io import (MAX_JSON_DEPTH, atomic_dir, deeper_than, dumps_line, iter_jsonl_lines, jsonl_zst_writer,
+                       shard_name, write_json)
 from dflash.prompt_checks import PromptChecks
 from dflash.records import record_problem
 from dflash.storage import local_copy
+from dflash.toolcalls import schema_problem
 from dflash.vocabulary import CATEGORIES, SPLITS
 from dflash.workflow import notice
 
@@ -139,7 +141,8 @@ def shape_problem(rec: dict) -> tuple[str, str] | None:
     record is dropped and counted: ``non_text_content`` (an image or audio part a text model never
     sees: the prompt would lose it), ``null_content`` (a turn with no text and no tool calls),
     ``orphan_tool_result`` (a tool result no call asked for), ``bad_tool_name`` (a name the engines
-    refuse), ``non_standard_json`` (NaN or Infinity, which JSON has no words for)."""
+    refuse), ``bad_tool_schema`` (a tool's parameters schema jsonschema cannot use: validate could
+    not check a call against it), ``non_standard_json`` (NaN or Infinity, which JSON has no words for)."""
     turns = rec["messages"] + [r for step in rec["meta"].get("replay", []) for r in step["results"]]
     for n, m in enumerate(rec["messages"]):
         content = m.get("content")
@@ -158,6 +161,9 @@ def shape_problem(rec: dict) -> tuple[str, str] | None:
     for name, where in names:
         if not isinstance(name, str) or not TOOL_NAME.match(name):
             return "bad_tool_name", f"{where} names the tool {name!r} (letters, digits, _ . - only, at most 64)"
+    for tool in rec["tools"] or []:
+        if problem := schema_problem(tool["function"].get("parameters") or {}):
+            return "bad_tool_schema", f"the parameters schema of {tool['function']['name']} is unusable: {problem}"
     try:
         json.dumps(rec, allow_nan=False)
     except ValueError:
@@ -247,22 +253,45 @@ def _imported_from(raw: dict, source: dict, where: str) -> list[tuple[list[dict]
     return [(g["messages"], g["tools"], {"imported": g["imported"]}) for g in generations]
 
 
-def read_source(source: dict, dropped: Counter | None = None) -> Iterator[dict]:
+def read_source(source: dict, dropped: Counter | None = None, max_line_bytes: int | None = None) -> Iterator[dict]:
     """Prompt records of one configured source (a local path or ``s3://``), with ``meta.split``
     set. A ``chat_completions`` source holds generations to adopt (``meta.imported``): its
     messages are the request's, whole (nothing is cut or replayed: the server answered them); a
-    logged request that failed is skipped, counted in ``dropped`` as ``failed_request``."""
+    logged request that failed is skipped, counted in ``dropped`` as ``failed_request``. A line
+    longer than ``max_line_bytes`` (``line_too_long``) or nesting lists and objects deeper than
+    ``MAX_JSON_DEPTH`` (``too_deep``) is skipped and counted too, never held whole or walked."""
     fmt, name = source.get("format", "openai"), source["name"]
     try:
         with local_copy(source["path"]) as path:
-            yield from _records_of(path, source["path"], fmt, name, source, Counter() if dropped is None else dropped)
+            yield from _records_of(path, source["path"], fmt, name, source, Counter() if dropped is None else dropped,
+                                   max_line_bytes)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"prompt source {name!r}: {e}") from None
 
 
-def _records_of(path: Path, shown: str, fmt: str, name: str, source: dict, dropped: Counter) -> Iterator[dict]:
-    for index, raw in enumerate(iter_jsonl(path)):
-        where = f"{shown}:{index + 1}"
+# Lines a source may hold that no stage could read, skipped while reading: counted with the drops.
+UNREADABLE = ("line_too_long", "too_deep")
+
+
+def _records_of(path: Path, shown: str, fmt: str, name: str, source: dict, dropped: Counter,
+                max_line_bytes: int | None = None) -> Iterator[dict]:
+    unread = []  # lines the reader skipped: the records after them sit that many lines further down
+
+    def skipped(lineno: int, code: str, detail: str) -> None:
+        dropped[code] += 1
+        bound = " (prompts.max_line_bytes)" if code == "line_too_long" else ""
+        log.warning("%s:%d: %s: %s%s: skipped", shown, lineno, code, detail, bound)
+
+    def unreadable(lineno: int, code: str, detail: str) -> None:
+        unread.append(lineno)
+        skipped(lineno, code, detail)
+
+    for index, (_, raw) in enumerate(iter_jsonl_lines(path, max_line_bytes=max_line_bytes, skipped=unreadable)):
+        where = f"{shown}:{index + 1 + len(unread)}"
+        if deeper_than(raw):
+            skipped(index + 1 + len(unread), "too_deep", f"lists or objects nested more than {MAX_JSON_DEPTH} "
+                                                         f"levels deep")
+            continue
         if fmt == "chat_completions" and (failure := failed_exchange(raw)):
             dropped["failed_request"] += 1
             log.warning("%s: a failed request (%s), nothing to adopt: skipped", where, failure)
@@ -345,7 +374,8 @@ class _Kept:
         (self.heldout_categories if heldout else self.train_categories)[rec["category"]] += 1
 
 
-def _read_sources(sources: list[dict], checks: PromptChecks | None, kept: _Kept) -> dict[str, dict]:
+def _read_sources(sources: list[dict], checks: PromptChecks | None, kept: _Kept,
+                  max_line_bytes: int | None = None) -> dict[str, dict]:
     """Read, dedup and screen every source into ``kept``, ``SCREEN_BATCH`` records at a time;
     returns the counts per source name, read, dropped and flagged."""
     seen: set[bytes] = set()
@@ -361,7 +391,7 @@ def _read_sources(sources: list[dict], checks: PromptChecks | None, kept: _Kept)
 
     for source in sources:
         counts = reads[source["name"]] = {"records": 0, "duplicate": 0}
-        for rec in read_source(source, screened[source["name"]]["dropped"]):
+        for rec in read_source(source, screened[source["name"]]["dropped"], max_line_bytes):
             counts["records"] += 1
             key = content_key(rec["messages"], rec["tools"], rec["meta"].get("replay") or rec["meta"].get("imported", {}).get("message"))
             if key in seen:
@@ -375,7 +405,8 @@ def _read_sources(sources: list[dict], checks: PromptChecks | None, kept: _Kept)
             batch.append(rec)
             if len(batch) == SCREEN_BATCH:
                 screen_batch()
-        counts["records"] += screened[source["name"]]["dropped"]["failed_request"]  # read, then dropped
+        # read, then dropped before they became records
+        counts["records"] += sum(screened[source["name"]]["dropped"][code] for code in ("failed_request", *UNREADABLE))
         if not counts["records"]:
             notice(log, f"prompt source {source['name']!r} ({source['path']}) holds no records")
     screen_batch()
@@ -414,7 +445,8 @@ def _spilled_in_order(spill: Path, order: np.ndarray, spilled_bytes: int) -> Ite
         del lines  # before the next bucket is read: one bucket in memory at a time
 
 
-def build_prompts(sources: list[dict], out_dir: str | Path, shard_size: int, checks: PromptChecks | None = None) -> dict:
+def build_prompts(sources: list[dict], out_dir: str | Path, shard_size: int, checks: PromptChecks | None = None,
+                  max_line_bytes: int | None = None) -> dict:
     """Read, dedup, screen (with ``checks``) and shard all sources into ``out_dir``; returns the
     manifest, which counts per source the records read, kept, dropped and flagged.
 
@@ -426,7 +458,7 @@ def build_prompts(sources: list[dict], out_dir: str | Path, shard_size: int, che
         spill = tmp / ".spill.jsonl.zst"
         with jsonl_zst_writer(spill, level=1) as write:
             kept = _Kept(write)
-            tally = _read_sources(sources, checks, kept)
+            tally = _read_sources(sources, checks, kept, max_line_bytes)
         dropped = sum((c["dropped"] for c in tally.values()), Counter())
         ids, categories = np.frombuffer(kept.ids, dtype=np.uint64), np.frombuffer(kept.categories, dtype=np.uint8)
         heldout = np.frombuffer(kept.heldout, dtype=np.uint8).astype(bool)

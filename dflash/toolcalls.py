@@ -10,6 +10,11 @@ import json
 import re
 from functools import lru_cache
 
+from referencing import Registry
+from referencing.exceptions import Unresolvable
+
+from dflash.io import MAX_JSON_DEPTH, deeper_than
+
 # A value runs to the first </parameter> and never over the next <parameter=: a missing closing tag
 # is a malformed call, not a value that swallows the next parameter.
 VALUE = r"(?:(?!<parameter=).)*?"
@@ -29,7 +34,7 @@ def parse_tool_calls(content: str) -> list[dict]:
     for m in JSON_CALL.finditer(content):
         try:
             obj = json.loads(m.group(1))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             continue
         if isinstance(obj, dict) and "name" in obj:
             arguments = obj.get("arguments", obj.get("parameters", {}))
@@ -85,11 +90,83 @@ def stray_markup(pieces: list[str], fmt: str) -> tuple[str, str] | None:
     return None
 
 
-@lru_cache(maxsize=256)
-def _validator(schema_json: str):
-    from jsonschema import Draft202012Validator
+# A $ref registry that resolves nothing outside the schema: jsonschema's default one fetches a
+# remote $ref with urlopen (no timeout), so a tool schema in a prompt data set could make every
+# validate job contact a host it names.
+OFFLINE = Registry()
+# What jsonschema raises on a schema it cannot use, met while validating a value.
+UNUSABLE = (RecursionError, re.error, Unresolvable)
 
-    return Draft202012Validator(json.loads(schema_json))
+
+def _unusable(error: Exception) -> str:
+    if isinstance(error, RecursionError):
+        return "a $ref loop that never reaches a value"
+    if isinstance(error, re.error):
+        return f"a bad regular expression ({error})"
+    return f"$ref {getattr(error, 'ref', error)!r} does not resolve inside the schema (none is fetched)"
+
+
+@lru_cache(maxsize=256)
+def _checked(schema_json: str):
+    """(validator, None) for a usable tool parameters schema, else (None, why jsonschema cannot use
+    it): not a valid JSON Schema (an unknown type, a bad regular expression), a ``$ref`` that does
+    not resolve inside it, or a ``$ref`` loop that never reaches a value (``"$ref": "#"``: every
+    validation would recurse forever)."""
+    from jsonschema import Draft202012Validator, SchemaError
+
+    schema = json.loads(schema_json)
+    try:
+        Draft202012Validator.check_schema(schema)
+        validator = Draft202012Validator(schema, registry=OFFLINE)
+        for _ in validator.iter_errors({}):  # a loop or a dangling $ref at the top shows on any value
+            pass
+        _follow_local_refs(schema)  # and those under a property, which {} does not reach
+    except SchemaError as e:
+        return None, f"{e.message} (at {e.json_path})"
+    except UNUSABLE as e:
+        return None, _unusable(e)
+    return validator, None
+
+
+def _follow_local_refs(schema) -> None:
+    """Resolve every ``#...`` ``$ref`` of the schema, and the ``$ref`` chain from there: raises
+    ``Unresolvable`` for one that points nowhere, ``RecursionError`` for a chain that comes back
+    to where it was (``{"$ref": "#/properties/a"}`` at ``/properties/a``). A schema with an ``$id``
+    below its root (refs relative to it) is left to the validation itself."""
+    from referencing.jsonschema import DRAFT202012
+
+    refs, stack = [], [(schema, True)]
+    while stack:
+        item, root = stack.pop()
+        if isinstance(item, dict):
+            if "$id" in item and not root:
+                return
+            if isinstance(item.get("$ref"), str) and item["$ref"].startswith("#"):
+                refs.append(item["$ref"])
+            stack.extend((v, False) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, False) for v in item)
+    if not isinstance(schema, dict):
+        return
+    resolver = OFFLINE.with_resource("urn:tool", DRAFT202012.create_resource(schema)).resolver("urn:tool")
+    for ref in refs:
+        seen: set[int] = set()
+        while isinstance(ref, str) and ref.startswith("#"):
+            contents = resolver.lookup(ref).contents
+            if id(contents) in seen:
+                raise RecursionError(ref)
+            seen.add(id(contents))
+            ref = contents.get("$ref") if isinstance(contents, dict) else None
+
+
+def schema_problem(parameters) -> str | None:
+    """Why jsonschema cannot use a tool's ``parameters`` schema, or None (the prompts stage drops
+    such a prompt; validate rejects a call against one with ``tool_bad_schema``)."""
+    if deeper_than(parameters):
+        return f"nested more than {MAX_JSON_DEPTH} levels deep"
+    return _checked(json.dumps(parameters, sort_keys=True))[1]
+
+
 XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
 XML_PARAM_ONLY = re.compile(rf"(?:\s*<parameter=[^>\n]+>\n?{VALUE}\n?</parameter>)*\s*", re.S)
 
@@ -107,7 +184,7 @@ def type_xml_arguments(arguments: dict[str, str], parameters: dict | None) -> di
             continue
         try:
             typed[key] = json.loads(value)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             typed[key] = value
     return typed
 
@@ -122,9 +199,15 @@ def call_problems(name: str, arguments, offered: dict[str, dict]) -> list[tuple[
     if not isinstance(arguments, dict):
         return [("tool_args_schema", f"{name}: arguments are not an object")]
     schema = offered[name].get("parameters") or {}
+    if problem := schema_problem(schema):
+        return [("tool_bad_schema", f"{name}: the offered parameters schema is unusable: {problem}")]
+    try:
+        errors = list(_checked(json.dumps(schema, sort_keys=True))[0].iter_errors(arguments))
+    except UNUSABLE as e:  # a $ref met only inside a value the probe of _checked did not have
+        return [("tool_bad_schema", f"{name}: the offered parameters schema is unusable: {_unusable(e)}")]
     return [("tool_missing_required" if error.validator == "required" else "tool_args_schema",
              f"{name}: {'.'.join(map(str, error.absolute_path)) or 'arguments'}: {error.message}")
-            for error in _validator(json.dumps(schema, sort_keys=True)).iter_errors(arguments)]
+            for error in errors]
 
 
 def check_tool_calls(content: str, reasoning: str | None, tools: list | None,
@@ -170,6 +253,9 @@ def check_tool_calls(content: str, reasoning: str | None, tools: list | None,
             except json.JSONDecodeError as e:
                 problems.setdefault("tool_bad_json", f"{e.msg} at {e.pos}: {body[:80]!r}")
                 continue
+            except RecursionError:
+                problems.setdefault("tool_bad_json", f"nested too deeply for a JSON parser: {body[:80]!r}")
+                continue
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
                 problems.setdefault("tool_bad_json", f"not an object with a name: {body[:80]!r}")
                 continue
@@ -177,9 +263,13 @@ def check_tool_calls(content: str, reasoning: str | None, tools: list | None,
             if isinstance(arguments, str):  # some models double-encode
                 try:
                     arguments = json.loads(arguments)
-                except json.JSONDecodeError:
+                except (json.JSONDecodeError, RecursionError):
                     problems.setdefault("tool_bad_json", f"arguments of {name} are not JSON: {arguments[:80]!r}")
                     continue
+        # Deeper arguments would crash what walks them next (jsonschema, the QA report's encoder).
+        if deeper_than(arguments):
+            problems.setdefault("tool_bad_json", f"arguments of {name} nest more than {MAX_JSON_DEPTH} levels deep")
+            continue
         calls.append({"name": name, "arguments": arguments})
         for code, detail in call_problems(name, arguments, offered):
             problems.setdefault(code, detail)

@@ -113,7 +113,8 @@ def read_exclusions(paths: list[str | Path]) -> dict[str, str]:
     generation of that prompt; a record id (``<prompt id>-gN``) only that generation."""
     excluded: dict[str, str] = {}
     for path in map(Path, paths):
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        # utf-8-sig: a list saved by a Windows editor starts with a BOM, which would hide its first id
+        for lineno, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
             where = f"{path}:{lineno}"
             if path.suffix == ".jsonl":
                 if not line.strip():
@@ -122,6 +123,9 @@ def read_exclusions(paths: list[str | Path]) -> dict[str, str]:
                     entry = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+                except RecursionError:
+                    raise ValueError(f"{where}: nested too deeply for a JSON parser; expected a flat "
+                                     f'{{"id", "reason"}} object') from None
                 if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
                     raise ValueError(f'{where}: expected an object with a string "id" (and an optional "reason")')
                 excluded[entry["id"]] = str(entry.get("reason") or UNSTATED)

@@ -19,7 +19,7 @@ TOOL_CATEGORY = "tool"  # the category whose kept records should call tools (gat
 # Problems that make a parsed call unusable as a training example of calling a tool (the other
 # tool codes say where a call sits, not whether it is one).
 BAD_CALL = ("tool_unclosed", "tool_bad_json", "tool_bad_xml", "tool_unknown_name", "tool_args_schema",
-            "tool_missing_required", "tool_without_tools")
+            "tool_missing_required", "tool_without_tools", "tool_bad_schema")
 
 
 def calls_a_tool(qa: dict) -> bool:
@@ -33,6 +33,24 @@ STRAY_THINK = re.compile(r"</?think>")
 CONTROL = r"\x00-\x08\x0b\x0c\x0e-\x1f\x7f"
 # One pass finds all three: a replacement character, a lone surrogate (not encodable as UTF-8), a control.
 BAD_CHAR = re.compile(f"[\ufffd\ud800-\udfff{CONTROL}]")
+
+# What a terminal acts on instead of showing: the C0 controls but tab and newline (ESC starts the
+# sequences that set the window title, write the clipboard (OSC 52) or hide text; CR overwrites a
+# line), DEL, the C1 controls (0x9b is a one-character CSI to some terminals) and the bidirectional
+# overrides and isolates (text shown in another order than it is read).
+TERMINAL_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def terminal_safe(text: str, json_escapes: bool = False) -> str:
+    """``text`` (record text, a message quoting it) with every character a terminal would act on
+    shown as its escape, ``\\x1b``; with ``json_escapes`` as a JSON escape, ``\\u001b``, so a JSON
+    document stays one, with the same values. Every printer of record text goes through it."""
+    def escape(m: re.Match) -> str:
+        code = ord(m.group())
+        return f"\\u{code:04x}" if json_escapes or code > 0xFF else f"\\x{code:02x}"
+
+    return TERMINAL_UNSAFE.sub(escape, text)
+
 
 # Fixed bin edges (output tokens) so per-shard histograms add up across shards in the summary.
 LENGTH_BINS = [0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from dflash.io import naming_full_disk, read_json
 from dflash.units import clock, plural, rate_text
+from dflash.vocabulary import terminal_safe
 
 
 def target_dir(config: dict) -> str:
@@ -33,10 +34,18 @@ def shard_ids(prompts_dir: str | Path) -> list[str]:
     return [s["name"].removeprefix("shard-").split(".")[0] for s in manifest["shards"]]
 
 
+class _TerminalSafeFormatter(logging.Formatter):
+    """Log lines quote record text (a drop's detail, a template's error): shown, never acted on
+    by the terminal that reads the log."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return terminal_safe(super().format(record))
+
+
 def setup_logging(log_file: str | Path | None = None, level: int = logging.INFO) -> None:
     """Log to ``log_file`` (Snakemake's per-job log) or stderr, one format everywhere."""
     handler = logging.FileHandler(log_file, mode="a") if log_file else logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    handler.setFormatter(_TerminalSafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
@@ -111,14 +120,14 @@ def notice(logger: logging.Logger, message: str) -> None:
     log is a rule's (Snakemake shows a log only when the job fails)."""
     logger.warning(message)
     if console := job_console():
-        print(f"warning: {message}", file=console, flush=True)
+        print(f"warning: {terminal_safe(message)}", file=console, flush=True)
 
 
 def tell(logger: logging.Logger, message: str) -> None:
     """What a job did, in one line: in its log, and on the console as its progress lines are."""
     logger.info(message)
     if (console := job_console()) and os.environ.get(JOB):
-        print(f"[{os.environ[JOB]}] {message}", file=console, flush=True)
+        print(f"[{os.environ[JOB]}] {terminal_safe(message)}", file=console, flush=True)
 
 
 def exit_on_sigterm(note: str):

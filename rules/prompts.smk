@@ -10,6 +10,7 @@ checkpoint prompts:
     params:
         sources=config["prompts"]["sources"],
         shard_size=config["prompts"]["shard_size"],
+        max_line_bytes=config["prompts"]["max_line_bytes"],
         checks=prompt_check_settings(config),
     log:
         f"{LOGS}/prompts.log",

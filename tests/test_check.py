@@ -189,3 +189,12 @@ def test_loop_patterns_and_refusals():
     assert is_refusal("I’m unable to book flights; try the airline's site.")
     assert is_refusal("Sorry, I cannot do that.")
     assert not is_refusal("The forecast for Paris is 18°C and sunny.")
+
+
+def test_the_report_shows_escape_sequences_of_records_escaped(tmp_path):
+    from dflash.check import render
+    from tests.test_inspect import HOSTILE
+
+    prose = {**answer(f"It is sunny in Paris today, no call needed. {HOSTILE}"), "id": "esc"}
+    text = render({**tally(tmp_path, [prose]), "output_dir": "results", "shards": 1, "thresholds": GATES})
+    assert "\\x1b]52;c;cm0gLXJmIH4=\\x07" in text and not {"\x1b", "\x07", "\r", "\x9b", "\u202e"} & set(text)

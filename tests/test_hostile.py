@@ -483,3 +483,126 @@ def test_prompts_a_text_model_would_misread_are_dropped_and_counted(tmp_path, ta
                                                     "bad_tool_name": 1, "non_standard_json": 1}
     assert "NaN" not in (tmp_path / "p" / "manifest.json").read_text()
     assert read_json(tmp_path / "p" / "manifest.json")["dropped"]["bad_tool_name"] == 1
+
+
+# ---- issue 42: hostile data, flaky disks ---------------------------------------------------------
+
+def test_prompts_drop_tool_schemas_jsonschema_cannot_use(tmp_path, caplog):
+    from tests.test_validate import UNUSABLE_SCHEMAS, tool
+
+    unusable = [{**ask("Weather in Paris?"), "tools": [tool(schema)]} for schema in UNUSABLE_SCHEMAS]
+    manifest = build_prompts([source(tmp_path, [*unusable, ask("Hello")])], tmp_path / "p", 10)
+    assert manifest["sources"]["in"]["kept"] == 1
+    assert manifest["sources"]["in"]["dropped"] == {"bad_tool_schema": len(UNUSABLE_SCHEMAS)}
+    assert "bad_tool_schema: the parameters schema of get_weather is unusable: a $ref loop that never reaches a " \
+           "value" in caplog.text
+
+
+def nested(depth: int) -> str:
+    return '{"messages": [{"role": "user", "content": "Hi"}], "meta": ' + "[" * depth + "]" * depth + "}"
+
+
+def test_source_lines_nested_too_deeply_are_dropped_naming_file_and_line(tmp_path, caplog):
+    src = source(tmp_path, [nested(100_000), ask("Hello"), nested(500)])
+    manifest = build_prompts([src], tmp_path / "p", 10)
+    assert manifest["sources"]["in"] == {"records": 3, "kept": 1, "dropped": {"too_deep": 2}, "flagged": {}}
+    assert f"{src['path']}:1: too_deep: lists or objects nested too deeply for a JSON parser: skipped" in caplog.text
+    assert f"{src['path']}:3: too_deep: lists or objects nested more than 64 levels deep: skipped" in caplog.text
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.zst"])
+def test_a_line_over_max_line_bytes_is_skipped_without_being_held(tmp_path, caplog, suffix):
+    """One 16 MB line under a 1 MB bound: memory stays far under the line's size (random hex: a
+    ratio near 2, so zstd hands it over in small pieces)."""
+    import tracemalloc
+
+    import zstandard
+
+    long = json.dumps(ask(os.urandom(8 << 20).hex())).encode()
+    text = b"\n".join([json.dumps(ask("Hello")).encode(), long, json.dumps(ask("Bye")).encode()]) + b"\n"
+    path = tmp_path / f"in{suffix}"
+    path.write_bytes(zstandard.ZstdCompressor(write_checksum=True).compress(text) if suffix.endswith(".zst") else text)
+    del long, text
+    src = {"name": "in", "path": str(path), "category": "chat"}
+    tracemalloc.start()
+    try:
+        manifest = build_prompts([src], tmp_path / "p", 10, max_line_bytes=1 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert manifest["sources"]["in"] == {"records": 3, "kept": 2, "dropped": {"line_too_long": 1}, "flagged": {}}
+    assert (f"{path}:2: line_too_long: a line longer than 1,048,576 bytes (prompts.max_line_bytes): skipped"
+            in caplog.text)
+    assert peak < 8 << 20, peak  # the line alone is 16 MB
+
+
+def test_a_validate_on_a_disk_already_full_names_the_file(tmp_path):
+    """A real full disk: a 16 KB tmpfs, filled but for 1 KB, in a private mount namespace: the
+    shard's flush fails, and so does the close after it, which used to replace the named error
+    with a bare [Errno 28]."""
+    from tests.test_io import incompressible_shard
+
+    if not shutil.which("unshare"):
+        pytest.skip("no unshare to mount a small tmpfs")
+    incompressible_shard(tmp_path / "c.jsonl.zst", n=1)
+    script = (f"mount -t tmpfs -o size=16k tmpfs /mnt && head -c 15360 /dev/urandom > /mnt/fill && "
+              f"{sys.executable} -m dflash.cli validate --config {ROOT / 'config.yaml'} --completions c.jsonl.zst "
+              f"--validated /mnt/v.jsonl.zst --rejected /mnt/r.jsonl.zst --qa /mnt/qa.json; echo rc=$?; ls -A /mnt")
+    run = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script], capture_output=True,
+                         text=True, cwd=tmp_path)
+    if "mount:" in run.stderr or "unshare:" in run.stderr:
+        pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip()}")
+    assert run.stdout == "rc=1\nfill\n"
+    assert run.stderr.strip().splitlines()[-1].endswith(".jsonl.zst: no space left on device while writing it; free "
+                                                        "space there (or set output_dir to a larger disk) and re-run")
+    assert "Errno" not in run.stderr
+
+
+def test_errors_and_log_lines_quoting_record_text_are_escaped(tmp_path):
+    import logging
+
+    from dflash.errors import describe, failure_line
+    from dflash.workflow import setup_logging
+    from tests.test_inspect import HOSTILE
+
+    line = failure_line("prompts", describe(ValueError(f"in.jsonl:3: {HOSTILE}")), "logs/prompts.log")
+    assert line.startswith("rule prompts: in.jsonl:3: Sure.\\x1b]0;owned\\x07")
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        setup_logging(tmp_path / "job.log")
+        logging.getLogger("dflash.prompts").warning("prompt x (in:1): template_error: %s", HOSTILE)
+    finally:
+        root.handlers[0].close()
+        root.handlers[:], root.level = handlers, level
+    logged = (tmp_path / "job.log").read_text()
+    assert "template_error: Sure.\\x1b]0;owned\\x07\\x1b]52;c;" in logged
+    for shown in (line, logged):
+        assert not {"\x1b", "\x07", "\r", "\x9b", "\u202e"} & set(shown)
+
+
+def test_tool_call_arguments_nested_too_deeply_are_a_template_error_not_a_crash(tmp_path, target):
+    deep = "[" * 5000 + "]" * 5000
+    history = {"messages": [{"role": "user", "content": "Weather?"},
+                            {"role": "assistant", "content": "", "tool_calls": [
+                                {"type": "function", "function": {"name": "get_weather", "arguments": deep}}]},
+                            {"role": "user", "content": "Well?"}]}
+    manifest = build_prompts([source(tmp_path, [history, ask("Hello")])], tmp_path / "p", 10, checks(target))
+    assert manifest["sources"]["in"]["dropped"] == {"template_error": 1}
+
+
+def test_files_saved_with_a_bom_read_as_without(tmp_path):
+    """A Windows editor starts a file with a BOM: the first record, key or id must survive it."""
+    import zstandard
+
+    text = ("\ufeff" + json.dumps(ask("Hello")) + "\n" + json.dumps(ask("Bye")) + "\n").encode()
+    (tmp_path / "in.jsonl").write_bytes(text)
+    (tmp_path / "in.jsonl.zst").write_bytes(zstandard.ZstdCompressor(write_checksum=True).compress(text))
+    for name in ("in.jsonl", "in.jsonl.zst"):
+        manifest = build_prompts([{"name": "in", "path": str(tmp_path / name), "category": "chat"}],
+                                 tmp_path / name.replace(".", "-"), 10)
+        assert manifest["prompts"] == 2
+    (tmp_path / "c.yaml").write_bytes("\ufeff".encode() + yaml.safe_dump(config()).encode())
+    assert read_yaml(tmp_path / "c.yaml")["prompts"]["sources"][0]["name"] == "in"
+    (tmp_path / "x.json").write_bytes('\ufeff{"a": 1}'.encode())
+    assert read_json(tmp_path / "x.json") == {"a": 1}

@@ -8,7 +8,7 @@ from dflash.io import read_jsonl, write_jsonl_zst
 from dflash.tokenize import tokenize_shard
 from dflash.validate import validate_shard
 from tests.test_tokenize import validated, with_ids
-from tests.test_validate import CFG, GOOD, STORY_LOOP, answer, record, xml
+from tests.test_validate import CFG, GOOD, REASONING, STORY_LOOP, answer, record, xml
 
 
 @pytest.fixture
@@ -108,3 +108,20 @@ def test_a_json_document_is_no_shard(shards, capsys, tmp_path, target):
                    {"max_length": 4096, "retokenize_sample": 1.0})
     rc, _, err = inspect(capsys, tmp_path / "t.json")
     assert rc == 1 and err.endswith(f"(the rows of this tokenized shard are in {tmp_path}/t.safetensors)\n")
+
+
+HOSTILE = "Sure.\x1b]0;owned\x07\x1b]52;c;cm0gLXJmIH4=\x07\x1b[8mhidden\x1b[0m\r\x9b2J\u202eevil"
+
+
+def test_escape_sequences_in_records_are_shown_not_acted_on(tmp_path, capsys):
+    """A record's text can set the window title, write the clipboard (OSC 52), hide text or clear
+    the screen: inspect shows every such character escaped, and --json stays the same JSON."""
+    rec = record(f"{REASONING}\n</think>\n\n{HOSTILE}", rid="esc")
+    write_jsonl_zst(tmp_path / "c.jsonl.zst", [rec])
+    rc, out, _ = inspect(capsys, tmp_path / "c.jsonl.zst")
+    assert rc == 0 and "Sure.\\x1b]0;owned\\x07\\x1b]52;c;cm0gLXJmIH4=\\x07\\x1b[8mhidden" in out
+    assert "\\x0d\\x9b2J\\u202eevil" in out
+    rc, out, _ = inspect(capsys, tmp_path / "c.jsonl.zst", "--json")
+    assert rc == 0 and json.loads(out)["content"].endswith(HOSTILE)
+    for shown in (inspect(capsys, tmp_path / "c.jsonl.zst")[1], out):
+        assert not {"\x1b", "\x07", "\r", "\x9b", "\u202e"} & set(shown)

@@ -205,7 +205,7 @@ def test_excluded_ids_are_rejected_with_their_reason(tmp_path):
 
 
 @pytest.mark.parametrize("line, message", [("a b", "one sample id per line"), ('{"reason": "x"}', 'string "id"'),
-                                           ("{oops", "not valid JSON")])
+                                           ("{oops", "not valid JSON"), ('{"id": ' + "[" * 5000, "nested too deeply")])
 def test_bad_exclusion_line_names_file_and_line(tmp_path, line, message):
     from dflash.validate import read_exclusions
 
@@ -277,3 +277,87 @@ def test_a_duplicated_id_is_refused_and_nothing_written(tmp_path):
         validate_shard(tmp_path / "c.jsonl.zst", tmp_path / "v.jsonl.zst", tmp_path / "r.jsonl.zst",
                        tmp_path / "qa.json", CFG)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl.zst"]
+
+
+def test_an_exclusion_list_saved_with_a_bom_keeps_its_first_id(tmp_path):
+    from dflash.validate import read_exclusions
+
+    (tmp_path / "ids.txt").write_bytes("\ufefffirst\nsecond\n".encode())
+    (tmp_path / "ids.jsonl").write_bytes('\ufeff{"id": "third", "reason": "leaked"}\n'.encode())
+    assert read_exclusions([tmp_path / "ids.txt", tmp_path / "ids.jsonl"]) == {
+        "first": "listed in validate.exclude", "second": "listed in validate.exclude", "third": "leaked"}
+
+
+def deep_call(depth: int) -> dict:
+    nested = "[" * depth + "]" * depth
+    return answer(f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "Paris", "hours": {nested}}}}}\n'
+                  f'</tool_call>')
+
+
+@pytest.mark.parametrize("depth", [100, 5000])  # 5000: past what json parses; 100: parsed, past MAX_JSON_DEPTH
+def test_a_call_nested_thousands_deep_rejects_its_record_not_the_shard(tmp_path, depth):
+    write_jsonl_zst(tmp_path / "c.jsonl.zst", [GOOD, {**deep_call(depth), "id": "deep"}])
+    rep = validate_shard(tmp_path / "c.jsonl.zst", tmp_path / "v.jsonl.zst", tmp_path / "r.jsonl.zst",
+                         tmp_path / "qa.json", CFG)
+    [rejected] = read_jsonl(tmp_path / "r.jsonl.zst")
+    assert rep["kept"] == 1 and rejected["id"] == "deep" and rejected["qa"]["reasons"] == ["tool_bad_json"]
+    assert "nest" in rejected["qa"]["details"]["tool_bad_json"]
+
+
+def tool(parameters) -> dict:
+    return {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+
+
+UNUSABLE_SCHEMAS = [
+    {"$ref": "#"},  # every validation recurses forever
+    {"type": "object", "properties": {"city": {"type": "string", "pattern": "("}}},  # no regular expression
+    {"type": "object", "properties": {"city": {"type": "town"}}},  # no JSON type
+    {"type": "object", "properties": {"city": {"$ref": "#/$defs/missing"}}},  # resolves nowhere
+    {"type": "object", "properties": {"city": {"$ref": "#/properties/city"}}},  # a loop met only on a value
+]
+
+
+@pytest.mark.parametrize("parameters", UNUSABLE_SCHEMAS)
+def test_a_schema_jsonschema_cannot_use_rejects_its_record_not_the_shard(tmp_path, parameters):
+    bad = {**answer(xml(city="Paris"), tools=[tool(parameters)]), "id": "bad"}
+    write_jsonl_zst(tmp_path / "c.jsonl.zst", [GOOD, bad])
+    rep = validate_shard(tmp_path / "c.jsonl.zst", tmp_path / "v.jsonl.zst", tmp_path / "r.jsonl.zst",
+                         tmp_path / "qa.json", CFG)
+    [rejected] = read_jsonl(tmp_path / "r.jsonl.zst")
+    assert rep["kept"] == 1 and rejected["id"] == "bad" and rejected["qa"]["reasons"] == ["tool_bad_schema"]
+    assert rejected["qa"]["details"]["tool_bad_schema"].startswith("get_weather: the offered parameters schema is "
+                                                                   "unusable: ")
+    assert rep["examples"]["tool_bad_schema"][0]["id"] == "bad"
+
+
+def test_a_remote_ref_in_a_tool_schema_is_never_fetched(tmp_path):
+    """A real HTTP server on 127.0.0.1 that would serve the $ref: validate must not ask it."""
+    import http.server
+    import threading
+
+    asked = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            asked.append(self.path)
+            body = b'{"type": "string"}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/city.json"
+        parameters = {"type": "object", "properties": {"city": {"$ref": url}}}
+        reasons, _, _, details = judge(answer(xml(city="Paris"), tools=[tool(parameters)]), CFG)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert asked == [] and reasons == ["tool_bad_schema"]
+    assert details["tool_bad_schema"] == (f"get_weather: the offered parameters schema is unusable: $ref '{url}' does "
+                                          f"not resolve inside the schema (none is fetched)")
