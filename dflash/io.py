@@ -96,7 +96,10 @@ def _put_in_place(tmp: Path, path: Path) -> None:
     rather than write into it (``safetensors.save_file`` renames its own 0600 temp file onto the
     path it is given)."""
     os.chmod(tmp, 0o666 & ~umask())
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except OSError as e:  # named by the output, not by the temp file the user never asked for
+        raise OSError(e.errno, f"{e.strerror}: cannot put the finished file there", str(path)) from None
 
 
 @contextmanager

@@ -83,11 +83,11 @@ def test_progress_lines_can_be_turned_off_and_stay_out_of_the_cli(tmp_path):
 
 def test_multi_process_training_tells_rank_0s_progress_and_the_failed_rank(tiny_target_dir, shards,  # noqa: F811
                                                                           tmp_path):
-    """Two torchrun processes train, then rank 0 cannot write its first resume point (a file is in
-    the way of their folder): rank 0's progress alone on the console, then one line naming the rank
+    """Two torchrun processes train, then rank 0 cannot write its first resume point (a folder is in
+    the way of its file): rank 0's progress alone on the console, then one line naming the rank
     and why."""
     out = tmp_path / "drafter"
-    (tmp_path / ".drafter.resume").write_text("not a folder")
+    (tmp_path / ".drafter.resume" / "step-00000010.pt").mkdir(parents=True)
     cfg = {**TRAIN_CFG, "steps": 20, "log_every": 5, "save_every": 10}
     run = in_a_job(f"""
         from dflash.train import train_processes
@@ -100,9 +100,11 @@ def test_multi_process_training_tells_rank_0s_progress_and_the_failed_rank(tiny_
     assert lines.count("[train] train drafter 0/20 steps (0%), started") == 1, run.stderr
     failed = [line for line in lines if line.startswith("rule train:")]
     assert len(failed) == 1 and re.fullmatch(
-        rf"rule train: training in 2 processes failed: rank 0: {re.escape(str(tmp_path / '.drafter.resume'))}: File "
-        rf"exists \(1 more lines in the log\) \[log: {re.escape(str(tmp_path / 'train.log'))}\]", failed[0]), run.stderr
-    assert "Traceback" not in run.stderr and "FileExistsError" in log and not out.exists()
+        rf"rule train: training in 2 processes failed: rank 0: "
+        rf"{re.escape(str(tmp_path / '.drafter.resume' / 'step-00000010.pt'))}: Is a directory: cannot put the "
+        rf"finished file there \(1 more lines in the log\) \[log: {re.escape(str(tmp_path / 'train.log'))}\]",
+        failed[0]), run.stderr
+    assert "Traceback" not in run.stderr and "IsADirectoryError" in log and not out.exists()
 
 
 def test_a_failed_server_says_why_on_the_console(tmp_path):
