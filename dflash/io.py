@@ -386,7 +386,15 @@ def check_zstd(path: str | os.PathLike) -> int:
 
 def iter_jsonl_lines(path: str | os.PathLike, skip_arrays: tuple[str, ...] = (), max_line_bytes: int | None = None,
                      skipped: Callable[[int, str, str], None] | None = None) -> Iterator[tuple[bytes, dict]]:
-    """(raw line, record) of a JSONL file, zstd-compressed when the name ends in ``.zst``.
+    """(raw line, record) of a JSONL file: :func:`numbered_jsonl_lines` without the line numbers."""
+    for _, line, rec in numbered_jsonl_lines(path, skip_arrays, max_line_bytes, skipped):
+        yield line, rec
+
+
+def numbered_jsonl_lines(path: str | os.PathLike, skip_arrays: tuple[str, ...] = (), max_line_bytes: int | None = None,
+                         skipped: Callable[[int, str, str], None] | None = None) -> Iterator[tuple[int, bytes, dict]]:
+    """(line number from 1, raw line, record) of a JSONL file, zstd-compressed when the name ends
+    in ``.zst`` (blank lines are passed over, and counted).
 
     ``skip_arrays``: top-level keys holding flat arrays of numbers (token ids) that the reader does
     not need: left out of the record, unparsed (most of a completion line's parse time), and kept
@@ -456,7 +464,7 @@ def _unreadable(path: Path, lineno: int, skipped: Callable[[int, str, str], None
 
 
 def _parse_lines(path: Path, stream, skip_arrays: tuple[str, ...], max_line_bytes: int | None = None,
-                 skipped: Callable[[int, str, str], None] | None = None) -> Iterator[tuple[bytes, dict]]:
+                 skipped: Callable[[int, str, str], None] | None = None) -> Iterator[tuple[int, bytes, dict]]:
     keys = tuple(f', "{k}": ['.encode() for k in skip_arrays)
     for lineno, line in enumerate(_bounded_lines(stream, max_line_bytes), 1):
         if line is None:
@@ -478,7 +486,7 @@ def _parse_lines(path: Path, stream, skip_arrays: tuple[str, ...], max_line_byte
             continue
         if not isinstance(rec, dict):
             raise ValueError(f"{path}:{lineno}: a JSON {type(rec).__name__} where a record object belongs")
-        yield line, rec
+        yield lineno, line, rec
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[dict]:

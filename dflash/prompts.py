@@ -37,7 +37,7 @@ import zstandard
 
 from dflash.chat import rebuild_text, template_message
 from dflash.dialects import detect_server
-from dflash.io import (MAX_JSON_DEPTH, atomic_dir, deeper_than, dumps_line, iter_jsonl_lines, jsonl_zst_writer,
+from dflash.io import (MAX_JSON_DEPTH, atomic_dir, deeper_than, dumps_line, jsonl_zst_writer, numbered_jsonl_lines,
                        shard_name, write_json)
 from dflash.prompt_checks import PromptChecks
 from dflash.records import record_problem
@@ -275,22 +275,15 @@ UNREADABLE = ("line_too_long", "too_deep")
 
 def _records_of(path: Path, shown: str, fmt: str, name: str, source: dict, dropped: Counter,
                 max_line_bytes: int | None = None) -> Iterator[dict]:
-    unread = []  # lines the reader skipped: the records after them sit that many lines further down
-
     def skipped(lineno: int, code: str, detail: str) -> None:
         dropped[code] += 1
         bound = " (prompts.max_line_bytes)" if code == "line_too_long" else ""
         log.warning("%s:%d: %s: %s%s: skipped", shown, lineno, code, detail, bound)
 
-    def unreadable(lineno: int, code: str, detail: str) -> None:
-        unread.append(lineno)
-        skipped(lineno, code, detail)
-
-    for index, (_, raw) in enumerate(iter_jsonl_lines(path, max_line_bytes=max_line_bytes, skipped=unreadable)):
-        where = f"{shown}:{index + 1 + len(unread)}"
+    for index, (lineno, _, raw) in enumerate(numbered_jsonl_lines(path, max_line_bytes=max_line_bytes, skipped=skipped)):
+        where = f"{shown}:{lineno}"
         if deeper_than(raw):
-            skipped(index + 1 + len(unread), "too_deep", f"lists or objects nested more than {MAX_JSON_DEPTH} "
-                                                         f"levels deep")
+            skipped(lineno, "too_deep", f"lists or objects nested more than {MAX_JSON_DEPTH} levels deep")
             continue
         if fmt == "chat_completions" and (failure := failed_exchange(raw)):
             dropped["failed_request"] += 1

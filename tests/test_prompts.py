@@ -94,6 +94,11 @@ def test_bad_record_names_file_and_line(tmp_path):
     bad.write_text('{"messages": [}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:1: not valid JSON"):
         list(read_source({"name": "x", "path": str(bad)}))
+    # blank lines (a hand-edited file, a dump with separators) count: the line is the editor's line
+    bad.write_text("\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n\n  \n"
+                   + json.dumps({"messages": [{"role": "robot", "content": "hi"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:5: unknown role 'robot'"):
+        list(read_source({"name": "x", "path": str(bad)}))
 
 
 def test_sharegpt_and_alpaca_sources(tmp_path):
