@@ -59,7 +59,7 @@ import dflash
 from dflash.chat import stop_token_ids
 from dflash.config import load_config
 from dflash.drafter import TargetIO, load_drafter
-from dflash.eval import encode_prompts, load_target, speculative_generate
+from dflash.eval import encode_prompts, load_target, settings, speculative_generate
 from dflash.hidden import capture_shard
 from dflash.hidden_cache import HIDDEN_FORMAT, layer_selection
 from dflash.io import read_jsonl
@@ -119,7 +119,7 @@ def attention_only_models(results: Path, config: dict, work: Path) -> tuple[Path
 
 def load_ours(target_dir: Path, drafter_dir: Path):
     """As ``dflash.eval.evaluate`` loads them."""
-    target = load_target(target_dir, {"device": "cpu"})
+    target = load_target(target_dir, settings({"device": "cpu"}))  # the eval settings, completed as evaluate's
     drafter = load_drafter(drafter_dir)[0].to(target.device, target.dtype).eval()
     return target, drafter
 
@@ -132,9 +132,10 @@ def load_theirs(reference, target_dir: Path, drafter_dir: Path, dtype: torch.dty
 
 
 def decode_ours(models, prompts, max_new_tokens, stop_ids, block_size):
+    """(new tokens, target forwards) per prompt, as ``decode_theirs``."""
     target, drafter = models
     io = TargetIO.from_model(target)
-    return [speculative_generate(target, drafter, io, ids, max_new_tokens, stop_ids, block_size) for ids in prompts]
+    return [speculative_generate(target, drafter, io, ids, max_new_tokens, stop_ids, block_size)[:2] for ids in prompts]
 
 
 def decode_theirs(reference, models, prompts, max_new_tokens, stop_ids, block_size):

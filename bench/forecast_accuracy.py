@@ -10,8 +10,11 @@ pilot's training burst (pilot.train_steps on its rows, its set-up and seconds pe
 the train job's wall time (its benchmark file: the process start and imports included, which
 the forecast leaves out) for the demo's train.steps.
 
+`--results DIR` compares the same figures for a run already finished (its results folder) instead
+of running the demo: a run with a pilot (tests/test_bench.py checks the bench so on a small run).
+
 Usage:
-    .venv/bin/python bench/forecast_accuracy.py [--cores 2] [--keep DIR]
+    .venv/bin/python bench/forecast_accuracy.py [--cores 2] [--keep DIR | --results DIR]
 """
 from __future__ import annotations
 
@@ -33,8 +36,13 @@ from dflash.io import iter_jsonl, read_json  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cores", type=int, default=2)
-    ap.add_argument("--keep", type=Path, help="run here and keep it (default: a temporary folder)")
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--keep", type=Path, help="run here and keep it (default: a temporary folder)")
+    where.add_argument("--results", type=Path, help="a finished run's results folder: compare it, run nothing")
     a = ap.parse_args()
+    if a.results:
+        compare(a.results, None)
+        return
     work = a.keep or Path(tempfile.mkdtemp(prefix="forecast-"))
     work.mkdir(parents=True, exist_ok=True)
     for name in ("config.yaml", "data"):
@@ -44,8 +52,14 @@ def main() -> None:
     t0 = time.time()
     subprocess.run([sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "-d", str(work),
                     "--cores", str(a.cores), "-q"], check=True)
-    wall = time.time() - t0
-    res = work / "results"
+    compare(work / "results", f"run wall time {time.time() - t0:.0f} s on {a.cores} cores")
+    if not a.keep:
+        shutil.rmtree(work)
+
+
+def compare(res: Path, ran: str | None) -> None:
+    """Print the forecast of ``res``/plan.json against what the run measured (``ran``: how the
+    demo's run went, when this bench ran it)."""
     pilot, plan = read_json(res / "pilot" / "summary.json"), read_json(res / "plan.json")
     pilot_run = read_json(res / "pilot" / "generate.json")
     shards = [read_json(p) for p in sorted((res / "completions").glob("shard-*.summary.json"))]
@@ -54,8 +68,8 @@ def main() -> None:
     seconds = pilot_run["seconds"] + sum(s["seconds"] for s in shards)
     local = plan["generation"]["local"]["forecast"][0]
     low, high = plan["output_tokens_range"]
-    print(f"demo: {plan['prompts']} training prompts, pilot {pilot['prompts']} ({pilot['records']} records), "
-          f"run wall time {wall:.0f} s on {a.cores} cores")
+    print(f"{res}: {plan['prompts']} training prompts, pilot {pilot['prompts']} ({pilot['records']} records)"
+          + (f", {ran}" if ran else ""))
     print(f"output tokens: forecast {plan['output_tokens']:,.0f} (95% {low:,.0f} to {high:,.0f}), measured {tokens:,} "
           f"-> error {plan['output_tokens'] / tokens - 1:+.1%}")
     print(f"generation time: forecast {local['hours'] * 3600:,.1f} s at the pilot's "
@@ -70,8 +84,6 @@ def main() -> None:
           f"{read_json(run)['seconds']:,.1f} s in its loop) -> error {forecast / job - 1:+.1%}")
     print(json.dumps({"tokens_error": plan["output_tokens"] / tokens - 1,
                       "time_error": local["hours"] * 3600 / seconds - 1, "training_error": forecast / job - 1}))
-    if not a.keep:
-        shutil.rmtree(work)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import copy
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -203,11 +204,13 @@ def client(side: str, work: Path, warmup: Path, shards: list[Path], out: Path, s
         from dflash.chat import stop_token_ids
         from dflash.backends import OpenAIBackend, resolve_sampling
         from dflash.replay import sample_seed
+        from dflash.resume import settings_digest
 
         backend = OpenAIBackend(target, cfg)  # only to prebuild the bodies the stage sends
         sampling = resolve_sampling(cfg, backend.generation_config())
         generation = {"backend": "openai", "engine_version": backend.engine_version, "model": backend.model_name,
-                      "sampling": sampling, "enable_thinking": cfg["enable_thinking"]}
+                      "sampling": sampling, "enable_thinking": cfg["enable_thinking"],
+                      "settings": settings_digest(cfg, target)}
         prompts = {s.name: list(iter_jsonl(s)) for s in [warmup, *shards]}
         bodies = {p["id"]: backend.request_body(p, sampling, cfg["enable_thinking"],
                                                 sample_seed(sampling["seed"], p["id"]))
@@ -291,6 +294,9 @@ def main() -> None:
     ap.add_argument("--shard-size", type=int, default=500)
     ap.add_argument("--output-tokens", type=int, default=1024, help="mean output ids per canned response")
     args = ap.parse_args()
+    if importlib.util.find_spec("aiohttp") is None:  # else the server dies unseen and the bench waits for it
+        sys.exit(f"aiohttp is not installed: the fake server and the bare client need it "
+                 f"({sys.executable} -m pip install aiohttp)")
 
     from dflash.config import load_config
     from dflash.target import build_target

@@ -34,7 +34,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-SNAKEMAKE = ROOT / ".venv/bin/snakemake"
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]  # this interpreter's: a checkout need not have .venv
 REAL_CONFIG = ROOT / "config/qwen3.6-27b.yaml"
 PROMPTS = 913_786
 MODES = ("plain", "launch")
@@ -82,7 +82,7 @@ def build_workdir(work: Path, shards: int, mode: str) -> None:
 def dry_run(work: Path, profile: str, log: Path) -> float:
     """Wall seconds of one ``snakemake -n``; its full output (what a user sees) goes to ``log``."""
     shutil.rmtree(work / ".snakemake", ignore_errors=True)
-    command = [str(SNAKEMAKE), "-s", str(ROOT / "Snakefile"), "-n", "--profile", str(ROOT / "profiles" / profile),
+    command = [*SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "-n", "--profile", str(ROOT / "profiles" / profile),
                "--configfile", str(work / "real.yaml")]
     env = {**os.environ, "DFLASH_SITE": str(ROOT / "profiles/site.yaml")}
     with open(log, "w") as out:
@@ -114,7 +114,7 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, help="build the workdirs here and keep them (default: a temp dir, removed)")
     args = ap.parse_args()
 
-    version = subprocess.run([str(SNAKEMAKE), "--version"], capture_output=True, text=True, check=True).stdout.strip()
+    version = subprocess.run([*SNAKEMAKE, "--version"], capture_output=True, text=True, check=True).stdout.strip()
     print(f"machine: {os.cpu_count()} cores, snakemake {version}, {args.rounds} rounds", flush=True)
     base = args.keep or Path(tempfile.mkdtemp(prefix="plan-scale-"))
     base.mkdir(parents=True, exist_ok=True)

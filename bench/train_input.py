@@ -11,7 +11,7 @@ train_log line / the steps between them (taken from the trainer's own log record
 The data are files in the formats the pipeline's stages write: tokenized shards as the tokenize
 stage writes them, hidden-state shards as the hidden stage's ``capture_shard`` writes them (same
 tensors, dtype bf16 and metadata, the target's layers 1 and 3, hidden 128) but holding random
-features (running the demo target over 200k tokens takes an hour on a CPU: its linear-attention
+features and greedy tokens (running the demo target over 200k tokens takes an hour on a CPU: its linear-attention
 layers fall back to transformers' reference kernel; the values do not change the reading), for
 a randomly initialised target of the demo's shape (hidden 128, 4 layers, vocabulary 4096).
 Training uses the demo's config (drafter 2 layers, block 8, batch 8 rows, 16 anchors per row)
@@ -52,6 +52,7 @@ def make_data(work: Path, rows: int, shards: int, min_len: int,
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
+    from dflash.hidden_cache import HIDDEN_FORMAT
     from dflash.io import atomic_path
 
     torch.manual_seed(0)
@@ -83,10 +84,11 @@ def make_data(work: Path, rows: int, shards: int, min_len: int,
         hid = work / "hidden" / tok.name
         hid.parent.mkdir(parents=True, exist_ok=True)
         feats = torch.randn(len(ids), len(LAYER_IDS), 128, generator=g).to(torch.bfloat16)
+        greedy = torch.randint(0, 4095, (len(ids),), generator=g, dtype=torch.int32)  # random as the features
         with atomic_path(hid) as tmp:  # capture_shard's tensors and metadata
-            save_file({"hidden_states": feats, "input_ids": ids, "offsets": offsets}, str(tmp),
-                      metadata={"format": "dflash-hidden-v1", "target_layer_ids": json.dumps(LAYER_IDS),
-                                "hidden_size": "128", "dtype": "bfloat16", "model": target.name})
+            save_file({"hidden_states": feats, "target_argmax": greedy, "input_ids": ids, "offsets": offsets},
+                      str(tmp), metadata={"format": HIDDEN_FORMAT, "target_layer_ids": json.dumps(LAYER_IDS),
+                                          "hidden_size": "128", "dtype": "bfloat16", "model": target.name})
         tokenized.append(tok)
         hidden.append(hid)
         tokens += len(ids)
@@ -126,7 +128,9 @@ def build_seconds(target: Path, tokenized, hidden, cfg: dict, steps: int) -> flo
 
     cfg = resolve_cfg(cfg)
     generator = torch.Generator().manual_seed(0)
-    with ShardData(tokenized, hidden, LAYER_IDS, 128, target.name, logging.getLogger("bench")) as data:
+    # the greedy tokens are read with the features where the loss trains on them, as in train()
+    with ShardData(tokenized, hidden, LAYER_IDS, 128, target.name, logging.getLogger("bench"),
+                   greedy=cfg["loss"]["labels"] == "target") as data:
         order = RowOrder(len(data.rows), generator)
         t0 = time.perf_counter()
         for _ in range(steps):

@@ -124,6 +124,24 @@ def small_run_config(work: Path, demo_sources: list[dict], target_dir: Path | No
     return cfg
 
 
+@pytest.fixture(scope="session")
+def pipeline(tmp_path_factory, demo_sources):
+    """(workdir, console output) of one small end-to-end Snakemake run (a pilot, 3 shards, every
+    stage), made once for the session: tests/test_pipeline.py checks it and tests/test_bench.py runs
+    the benches that read a finished run's results on it (each run is minutes of CI). A test that
+    changes files in it leaves it a finished run to read; one that re-runs jobs works on a copy."""
+    from tests.test_pipeline import snakemake
+
+    work = tmp_path_factory.mktemp("pipeline")
+    config = small_run_config(work, demo_sources, train=8, heldout=2, shard_size=12, max_tokens=24, train_steps=4,
+                              eval_tokens=8, pilot={"min_per_category": 4})
+    config["target"]["build"]["teach"]["steps"] = 20
+    config["eval"]["jobs"] = 2  # as the demo: each decoding in two jobs
+    (work / "config.yaml").write_text(yaml.safe_dump(config))
+    out = snakemake(work, "--cores", "2")
+    return work, out
+
+
 @pytest.fixture
 def s3(monkeypatch):
     """A real S3 API on localhost (moto's server), reached through boto3 like any endpoint."""

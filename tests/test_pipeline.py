@@ -12,7 +12,7 @@ import yaml
 
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
 from tests.helpers import record_errors
-from tests.conftest import ROOT, small_run_config
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -37,18 +37,6 @@ def planned_jobs(dry_run_output: str) -> set[tuple[str, str | None]]:
             shard = re.search(r"wildcards:.*shard=(\d{5})", block)
             jobs.add((rule.group(1), shard.group(1) if shard else None))
     return jobs
-
-
-@pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, demo_sources):
-    work = tmp_path_factory.mktemp("pipeline")
-    config = small_run_config(work, demo_sources, train=8, heldout=2, shard_size=12, max_tokens=24, train_steps=4,
-                              eval_tokens=8, pilot={"min_per_category": 4})
-    config["target"]["build"]["teach"]["steps"] = 20
-    config["eval"]["jobs"] = 2  # as the demo: each decoding in two jobs
-    (work / "config.yaml").write_text(yaml.safe_dump(config))
-    out = snakemake(work, "--cores", "2")
-    return work, out
 
 
 def test_whole_chain_runs_and_writes_every_stage(pipeline):

@@ -1,0 +1,163 @@
+"""Every script in bench/ in its smallest mode, so that a change to the package cannot leave a bench
+broken unseen (issue 42: eval_vs_reference.py called load_target without target.fast_kernels).
+
+Each bench runs as a user runs it (this interpreter, this checkout's dflash first on the path) and
+must exit 0 and print its figures. The figures themselves are not checked: one round on tiny
+inputs measures nothing. Benches whose competitor lives in a venv of its own (`make
+speculators-venv`, `make specforge-venv`, which CI does not build) are pointed at a missing one:
+our side runs alone and the bench says that the competitor is left out. The benches that read a
+finished run share the session's small end-to-end run (the `pipeline` fixture of conftest.py,
+which tests/test_pipeline.py checks), never a run of their own.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.test_drafter import REFERENCE_MODEL_PY
+
+BENCH = ROOT / "bench"
+# Run inside .venv-speculators or .venv-specforge: they import speculators or SpecForge (and
+# `datasets`) before parsing their arguments, so not even --help runs without them; only that
+# they compile is checked here. Their own benches (train_vs_speculators, train_equal_steps,
+# tokenize_throughput) start them when the venvs exist.
+IN_OTHER_VENVS = ("speculators_dflash_step.py", "speculators_train_rows.py", "specforge_preprocess.py")
+LEFT_OUT = "not found (make speculators-venv): speculators is left out"
+
+
+def bench(script: str, *args: str) -> tuple[str, str]:
+    """(stdout, stderr) of bench/``script``, which must exit 0."""
+    path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    run = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, cwd=ROOT,
+                         env=env, timeout=600)
+    assert run.returncode == 0, f"bench/{script} {' '.join(args)} exited {run.returncode}:\n{run.stderr[-4000:]}"
+    return run.stdout, run.stderr
+
+
+def figure(pattern: str, text: str) -> None:
+    assert re.search(pattern, text, re.M), f"no {pattern!r} in:\n{text[-3000:]}"
+
+
+# script: (its smallest mode, a line of figures it prints, what it says on stderr or None).
+# Seconds each on 2 cores, imports and set-up most of it.
+ALONE = {
+    "loop_watch.py": (["--rounds", "1"], r"^32k looping +\d+ +\d+ +[\d.]+", None),
+    "validate_throughput.py": (["--records", "200", "--shard-size", "100", "--rounds", "1"],
+                               r"^ratio validate / floor, same cut: median [\d.]+ of 1 rounds", None),
+}
+ALONE_SLOW = {  # 5 to 20 s each
+    "tokenize_throughput.py": (["--records", "10", "--rounds", "1", "--specforge-python", "absent/python"],
+                               r"^ratio ids path / floor: [\d.]+",
+                               "not found (make specforge-venv): SpecForge is left out"),
+    "hidden_capture.py": (["--rows", "2", "--rounds", "1"], r"^ratio ours / transformers .*: [\d.]+", None),
+    "train_input.py": (["--rounds", "1", "--steps", "4", "--log-every", "2", "--rows", "4", "--shards", "2",
+                        "--min-len", "64", "--max-len", "128"], r"^off / on, median of 1 per-round ratios: [\d.]+",
+                       None),
+    "plan_scale.py": (["--rounds", "1", "--shards", "4", "--profiles", "slurm-b200"],
+                      r"^\| 4 \| slurm-b200 \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", None),
+    "prompts_memory.py": (["--scales", "0.0001", "--data", "{tmp}"], r"^ *0.0001 +[\d.]+ KB +[\d.]+ MB", None),
+    "train_vs_speculators.py": (["--steps", "1", "--rounds", "1", "--speculators-python", "absent/python"],
+                                r"^  median: ours [\d.]+ steps/s, \d+ supervised tokens/s", LEFT_OUT),
+    "generate_client.py": (["--rounds", "1", "--seconds", "0.5", "--shard-size", "8", "--concurrency", "2",
+                            "--output-tokens", "16"], r"^ours / bare, CPU-seconds per 1,000 requests: [\d.]+",
+                           None),
+}
+ON_THE_RUN = ("eval_vs_reference.py", "stage_costs.py", "train_equal_steps.py", "forecast_accuracy.py")
+HELP_ONLY = ("demo_time.py",)
+
+
+def test_every_bench_is_run_here():
+    """A new bench gets its smallest mode here too."""
+    covered = {*ALONE, *ALONE_SLOW, *ON_THE_RUN, *HELP_ONLY, *IN_OTHER_VENVS}
+    assert {p.name for p in BENCH.glob("*.py")} == covered
+
+
+def run_alone(script: str, table: dict, tmp_path: Path) -> None:
+    args, line, said = table[script]
+    out, err = bench(script, *(a.format(tmp=tmp_path) for a in args))
+    figure(line, out)
+    assert said is None or said in err, err[-3000:]
+
+
+@pytest.mark.parametrize("script", ALONE)
+def test_bench_runs(script, tmp_path):
+    run_alone(script, ALONE, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ALONE_SLOW)
+def test_slower_bench_runs(script, tmp_path):
+    run_alone(script, ALONE_SLOW, tmp_path)
+
+
+def test_benches_of_other_venvs_compile():
+    for script in IN_OTHER_VENVS:
+        compile((BENCH / script).read_text(), str(BENCH / script), "exec")
+
+
+def test_demo_time_parses_its_arguments():
+    """Only --help: the bench is a fresh clone's `make install` and `make demo` (minutes, and the
+    package index), timed; what it prints after them is stage_costs.py's, run below."""
+    assert "usage: demo_time.py" in bench("demo_time.py", "--help")[0]
+
+
+@pytest.mark.slow
+def test_eval_vs_reference_on_a_finished_run(pipeline):
+    """5 rounds (its least) of 2 held-out prompts. --attention-only is left out: it teaches a
+    target of its own first (minutes)."""
+    work, _ = pipeline
+    out, _ = bench("eval_vs_reference.py", str(work / "results"), "--rounds", "5", "--prompts", "2",
+                   "--reference", str(REFERENCE_MODEL_PY))
+    figure(r"^outputs: ours = plain greedy on 2/2 prompts", out)  # exact, whatever the drafter
+    figure(r"^  decode, wall +[\d.]+ ", out)
+    figure(r"^  loading \+ decode, CPU +[\d.]+ ", out)
+
+
+@pytest.mark.slow
+def test_stage_costs_on_a_finished_run(pipeline):
+    work, _ = pipeline
+    out, _ = bench("stage_costs.py", str(work / "results" / "benchmarks"))
+    figure(r"^train +1 +[\d.]+", out)
+    figure(r"^total +\d+ +[\d.]+", out)
+
+
+@pytest.mark.slow
+def test_train_equal_steps_on_a_finished_run(pipeline, tmp_path):
+    """Our trainer, 2 steps, evaluated on the run's held-out prompts; speculators' side is left out
+    (no venv), but the rows this bench writes for it are made from the run too."""
+    work, _ = pipeline
+    res = work / "results"
+    out, err = bench("train_equal_steps.py", "--results", str(res), "--config", str(work / "config.yaml"),
+                     "--steps", "2", "--speculators-python", "absent/python")
+    assert LEFT_OUT in err
+    figure(r"^\| dflash-pipeline \| 0 \| [\d.]+ \| [\d.]+ \|", out)
+    # speculators' rows (what its side trains on), made from the run with the run's drafter config
+    from safetensors.torch import load_file
+
+    spec = importlib.util.spec_from_file_location("train_equal_steps", BENCH / "train_equal_steps.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    hidden = [res / "hidden" / p.name for p in sorted((res / "tokenized").glob("shard-*.safetensors"))]
+    module.speculators_data(res, res / "target", hidden, res / "checkpoints" / "demo", tmp_path)
+    rows = load_file(tmp_path / "rows.safetensors")
+    assert rows["offsets"][-1] == len(rows["input_ids"]) == len(rows["aux"]) == len(rows["last"]) > 0
+
+
+@pytest.mark.slow
+def test_forecast_accuracy_on_a_finished_run(pipeline):
+    """--results: the run's own forecast against what it measured (the bench's default runs the
+    whole demo in a fresh folder first: minutes)."""
+    work, _ = pipeline
+    out, _ = bench("forecast_accuracy.py", "--results", str(work / "results"))
+    errors = json.loads(out.strip().splitlines()[-1])
+    assert set(errors) == {"tokens_error", "time_error", "training_error"}
+    figure(r"^training: forecast [\d.]+ s .* -> error [+-][\d.]+%", out)
