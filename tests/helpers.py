@@ -44,3 +44,22 @@ def vllm_cpu_command(python: str, model: Path, port: int, served_name: str = "ti
            "--enforce-eager", "--distributed-executor-backend", "uni", "--enable-auto-tool-choice",
            "--tool-call-parser", "qwen3_coder"]
     return cmd, env
+
+
+def on_a_small_tmpfs(script: str, *args: str, cwd: str | Path, env: dict | None = None):
+    """``sh -c script args`` in a private mount namespace where ``/mnt`` is a 16 KB tmpfs, mounted
+    first: a real full disk, without root. The test is skipped where no such namespace can be made."""
+    import os
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if not shutil.which("unshare"):
+        pytest.skip("no unshare to mount a small tmpfs")
+    run = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                          f"mount -t tmpfs -o size=16k tmpfs /mnt && {script}", *args], capture_output=True,
+                         text=True, cwd=cwd, env={**os.environ, **(env or {})})
+    if "mount:" in run.stderr or "unshare:" in run.stderr:
+        pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip()}")
+    return run

@@ -9,7 +9,7 @@ from dflash.replay import sample_seed
 from dflash.resume import partial_path
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source
-from tests.helpers import record_errors
+from tests.helpers import on_a_small_tmpfs, record_errors
 
 DESIGN_FIELDS = {"id", "prompt_id", "source", "category", "messages", "tools", "text", "reasoning", "content",
                  "finish_reason", "prompt_token_ids", "output_token_ids", "usage", "generation", "error"}
@@ -227,22 +227,14 @@ def test_a_full_disk_under_the_jobs_log_names_the_log(tmp_path, prompt_shard, ta
     """A real full disk: the job's log on a full 16 KB tmpfs in a private mount namespace (as
     tests/test_io.py does), the shard elsewhere. The first progress bar's write used to fail with a
     bare ``[Errno 28]`` naming no file, and the job's console line was lost with it."""
-    import shutil
-    import subprocess
     import sys
 
-    if not shutil.which("unshare"):
-        pytest.skip("no unshare to mount a small tmpfs")
     job = ("import json, sys; from dflash.workflow import log_to; from dflash.errors import install_job_hook; "
            "log_to('/mnt/logs/generate.log'); install_job_hook('generate (shard=00000)', '/mnt/logs/generate.log'); "
            "from dflash.generate import generate_shard; generate_shard(*sys.argv[1:4], json.loads(sys.argv[4]))")
-    script = (f"mount -t tmpfs -o size=16k tmpfs /mnt && mkdir /mnt/logs && (head -c 16k /dev/zero > /mnt/fill; "
-              f"true) && exec {sys.executable} -c \"$0\" \"$@\"")
-    run = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, job,
-                          str(prompt_shard[0]), str(tmp_path / "c.jsonl.zst"), str(target_dir), json.dumps(gen_cfg())],
-                         capture_output=True, text=True, cwd=Path(__file__).parent.parent)
-    if "mount:" in run.stderr or "unshare:" in run.stderr:
-        pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip()}")
+    run = on_a_small_tmpfs(f"mkdir /mnt/logs && (head -c 16k /dev/zero > /mnt/fill; true) && exec {sys.executable} "
+                           f"-c \"$0\" \"$@\"", job, str(prompt_shard[0]), str(tmp_path / "c.jsonl.zst"), str(target_dir),
+                           json.dumps(gen_cfg()), cwd=Path(__file__).parent.parent)
     # (exit 120, not 1: Python's last flush of stderr at exit fails too)
     assert run.returncode != 0 and run.stderr.splitlines()[-1] == (
         "rule generate (shard=00000): /mnt/logs/generate.log: no space left on device while writing it; free space "

@@ -18,6 +18,7 @@ from dflash.io import OUTPUT_MARK, atomic_dir, read_json, read_jsonl, umask, wri
 from dflash.prompt_checks import PromptChecks
 from dflash.prompts import build_prompts
 from tests.conftest import ROOT
+from tests.helpers import on_a_small_tmpfs
 from tests.test_tokenize import validated
 from tests.test_validate import record
 
@@ -167,16 +168,10 @@ def test_a_validate_that_fails_on_a_full_disk_leaves_no_output(tmp_path):
     """A real full disk: a 16 KB tmpfs in a private mount namespace (as tests/test_io.py does)."""
     from tests.test_io import incompressible_shard
 
-    if not shutil.which("unshare"):
-        pytest.skip("no unshare to mount a small tmpfs")
     incompressible_shard(tmp_path / "c.jsonl.zst", n=30)  # ~40 KB of kept records, no rejected one
-    script = (f"mount -t tmpfs -o size=16k tmpfs /mnt && {sys.executable} -m dflash.cli validate --config "
-              f"{ROOT / 'config.yaml'} --completions c.jsonl.zst --validated /mnt/v.jsonl.zst --rejected "
-              f"/mnt/r.jsonl.zst --qa /mnt/qa.json; echo rc=$?; ls -A /mnt")
-    run = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script], capture_output=True,
-                         text=True, cwd=tmp_path)
-    if "mount:" in run.stderr or "unshare:" in run.stderr:
-        pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip()}")
+    run = on_a_small_tmpfs(f"{sys.executable} -m dflash.cli validate --config {ROOT / 'config.yaml'} --completions "
+                           f"c.jsonl.zst --validated /mnt/v.jsonl.zst --rejected /mnt/r.jsonl.zst --qa /mnt/qa.json; "
+                           f"echo rc=$?; ls -A /mnt", cwd=tmp_path)
     assert "no space left on device" in run.stderr
     assert run.stdout == "rc=1\n"  # and /mnt empty: no rejected shard or QA report alone
 
@@ -542,16 +537,10 @@ def test_a_validate_on_a_disk_already_full_names_the_file(tmp_path):
     with a bare [Errno 28]."""
     from tests.test_io import incompressible_shard
 
-    if not shutil.which("unshare"):
-        pytest.skip("no unshare to mount a small tmpfs")
     incompressible_shard(tmp_path / "c.jsonl.zst", n=1)
-    script = (f"mount -t tmpfs -o size=16k tmpfs /mnt && head -c 15360 /dev/urandom > /mnt/fill && "
-              f"{sys.executable} -m dflash.cli validate --config {ROOT / 'config.yaml'} --completions c.jsonl.zst "
-              f"--validated /mnt/v.jsonl.zst --rejected /mnt/r.jsonl.zst --qa /mnt/qa.json; echo rc=$?; ls -A /mnt")
-    run = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script], capture_output=True,
-                         text=True, cwd=tmp_path)
-    if "mount:" in run.stderr or "unshare:" in run.stderr:
-        pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip()}")
+    run = on_a_small_tmpfs(f"head -c 15360 /dev/urandom > /mnt/fill && {sys.executable} -m dflash.cli validate --config "
+                           f"{ROOT / 'config.yaml'} --completions c.jsonl.zst --validated /mnt/v.jsonl.zst --rejected "
+                           f"/mnt/r.jsonl.zst --qa /mnt/qa.json; echo rc=$?; ls -A /mnt", cwd=tmp_path)
     assert run.stdout == "rc=1\nfill\n"
     assert run.stderr.strip().splitlines()[-1].endswith(".jsonl.zst: no space left on device while writing it; free "
                                                         "space there (or set output_dir to a larger disk) and re-run")

@@ -3,7 +3,6 @@ not zstd, a full disk (a real tmpfs of a few KB in a private mount namespace), a
 import json
 import os
 import re
-import shutil
 import stat
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import zstandard
 from dflash.cli import main
 from dflash.io import read_jsonl, write_json, write_jsonl_zst
 from tests.conftest import ROOT
+from tests.helpers import on_a_small_tmpfs
 from tests.test_validate import GOOD
 
 
@@ -111,14 +111,7 @@ def test_outputs_get_the_mode_the_umask_gives(tmp_path, mask):
 
 def full_disk_run(tmp_path, *argv, env=None):
     """``argv`` (a dflash command) in a private mount namespace where ``/mnt`` is a 16 KB tmpfs."""
-    if not shutil.which("unshare"):
-        pytest.skip("no unshare to mount a small tmpfs")
-    script = f"mount -t tmpfs -o size=16k tmpfs /mnt && exec {sys.executable} -m dflash.cli \"$@\""
-    run = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh", *map(str, argv)],
-                         capture_output=True, text=True, cwd=tmp_path, env={**os.environ, **(env or {})})
-    if "mount:" in run.stderr or "unshare:" in run.stderr:
-        pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip()}")
-    return run
+    return on_a_small_tmpfs(f"exec {sys.executable} -m dflash.cli \"$@\"", "sh", *map(str, argv), cwd=tmp_path, env=env)
 
 
 def test_a_full_disk_names_the_file_being_written(tmp_path):

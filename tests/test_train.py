@@ -20,6 +20,7 @@ from dflash.objective import HeadCE
 from dflash.batches import Batch, Row, add_feature_noise, anchor_candidates, make_batch, sample_anchors
 from dflash.optim import lr_at, make_optimizer
 from dflash.train import draft_loss, resolve_cfg, train
+from tests.helpers import on_a_small_tmpfs
 from tests.test_drafter import reference  # noqa: F401 (fixture)
 
 
@@ -694,14 +695,7 @@ except OSError as e:
 
 def test_a_full_disk_names_the_resume_point(tmp_path):
     """A real full disk: a 16 KB tmpfs in a private mount namespace (as tests/test_io.py does)."""
-    import shutil
-
-    if not shutil.which("unshare"):
-        pytest.skip("no unshare to mount a small tmpfs")
-    script = f"mount -t tmpfs -o size=16k tmpfs /mnt && {sys.executable} -c '{_FULL_DISK}' && ls -A /mnt/.out.resume"
-    run = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script], capture_output=True,
-                         text=True, cwd=Path(__file__).resolve().parents[1])
-    if "mount:" in run.stderr or "unshare:" in run.stderr:
-        pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip()}")
+    run = on_a_small_tmpfs(f"{sys.executable} -c '{_FULL_DISK}' && ls -A /mnt/.out.resume",
+                           cwd=Path(__file__).resolve().parents[1])
     assert run.stdout == ("/mnt/.out.resume/step-00000003.pt: no space left on device while writing it; free space "
                           "there (or set output_dir to a larger disk) and re-run\n"), run.stderr  # and no temp file
