@@ -7,7 +7,9 @@ aiohttp server that answers every POST /v1/chat/completions at once with one of 
 responses (picked by the request's seed), shaped as vLLM 0.32's ChatCompletionResponse with the
 exact token ids the stage asks for (``dialect: vllm`` sends ``return_token_ids`` and
 ``skip_special_tokens: false``; ids come back as ``prompt_token_ids`` and ``choices[0].token_ids``):
-the point is to measure the client, not a model. It runs in its own process, pinned to CPU 0;
+the point is to measure the client, not a model. Its prompt ids are the request's own prompt's,
+rendered and encoded before it starts (ours checks them against its own rendering, as it checks a
+real server's). It runs in its own process, pinned to CPU 0;
 each client runs in its own process, pinned to CPU 1 (when the machine has 2+ cores), and its
 process CPU time (all threads, user + system) is what is compared.
 
@@ -72,7 +74,7 @@ def pin(cpu: int) -> str:
 def canned_responses(tokenizer, conversations: list[dict], mean_tokens: int, model: str) -> list[dict]:
     """``CANNED`` vLLM 0.32 chat responses: the demo's assistant turns (think block + answer),
     tiled to 0.5x..1.5x ``mean_tokens`` output ids ending in <|im_end|>, with the message split as
-    vLLM's qwen3 reasoning parser reports it, and the prompt ids of a demo prompt."""
+    vLLM's qwen3 reasoning parser reports it; the server puts in each request's prompt ids."""
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     out = []
     for i in range(CANNED):
@@ -82,7 +84,6 @@ def canned_responses(tokenizer, conversations: list[dict], mean_tokens: int, mod
         ids = tokenizer.encode(text, add_special_tokens=False)
         n = round(mean_tokens * (0.5 + i / (CANNED - 1)))
         ids = (ids * math.ceil(n / len(ids)))[: n - 1] + [end]
-        prompt_ids = tokenizer.encode(conv["messages"][0]["content"], add_special_tokens=False) * 4
         reasoning, _, content = tokenizer.decode(ids[:-1], skip_special_tokens=False).partition("</think>")
         out.append({
             "id": f"chatcmpl-{i:032x}", "object": "chat.completion", "created": 1764600000, "model": model,
@@ -92,22 +93,42 @@ def canned_responses(tokenizer, conversations: list[dict], mean_tokens: int, mod
                          "logprobs": None, "finish_reason": "stop", "stop_reason": None, "token_ids": ids,
                          "routed_experts": None}],
             "service_tier": None, "system_fingerprint": None,
-            "usage": {"prompt_tokens": len(prompt_ids), "total_tokens": len(prompt_ids) + len(ids),
-                      "completion_tokens": len(ids), "prompt_tokens_details": None},
-            "prompt_logprobs": None, "prompt_token_ids": prompt_ids, "prompt_text": None,
+            "usage": {"prompt_tokens": None, "total_tokens": None, "completion_tokens": len(ids),
+                      "prompt_tokens_details": None},
+            "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
             "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None})
     return out
 
 
-def serve(port: int, canned_path: Path) -> None:
+def request_key(body: dict) -> str:
+    """What the fake server knows a request's prompt by: its messages and tools as sent."""
+    return json.dumps([body["messages"], body.get("tools")], sort_keys=True)
+
+
+def prompt_ids_by_request(target: Path, cfg: dict, prompts: list[dict]) -> dict[str, list[int]]:
+    """The prompt ids of each prompt's request, as the stage renders and encodes them."""
+    from dflash.backends import OpenAIBackend, resolve_sampling
+    from dflash.chat import render
+
+    backend = OpenAIBackend(target, cfg)
+    sampling, thinking = resolve_sampling(cfg, backend.generation_config()), cfg["enable_thinking"]
+    return {request_key(backend.request_body(p, sampling, thinking, 0)): backend.tokenizer.encode(
+        render(p["messages"], p.get("tools"), backend.tokenizer, thinking), add_special_tokens=False) for p in prompts}
+
+
+def serve(port: int, canned_path: Path, prompt_ids_path: Path) -> None:
     from aiohttp import web
 
     print(f"fake server {pin(0)}", file=sys.stderr, flush=True)
-    bodies = [json.dumps(r).encode() for r in json.loads(canned_path.read_text())]
+    canned = json.loads(canned_path.read_text())
+    prompt_ids = json.loads(prompt_ids_path.read_text())
 
     async def chat(request: web.Request) -> web.Response:
-        seed = json.loads(await request.read())["seed"]
-        return web.Response(body=bodies[seed % CANNED], content_type="application/json")
+        body = json.loads(await request.read())
+        reply, ids = canned[body["seed"] % CANNED], prompt_ids[request_key(body)]
+        usage = {**reply["usage"], "prompt_tokens": len(ids), "total_tokens": len(ids) + reply["usage"]["completion_tokens"]}
+        return web.Response(body=json.dumps({**reply, "prompt_token_ids": ids, "usage": usage}).encode(),
+                            content_type="application/json")
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
@@ -325,9 +346,14 @@ def main() -> None:
                       "retries": 0, "extra_body": {}, "concurrency": args.concurrency,
                       "max_connection_failures": 16, "stream": False}}  # the bare client reads whole JSON replies
     (work / "cfg.json").write_text(json.dumps(cfg))
+    from dflash.prompts import read_source
+
+    (work / "prompt_ids.json").write_text(json.dumps(prompt_ids_by_request(
+        work / "target", cfg, [r for s in sources for r in read_source(s)])))
 
     serve_code = (f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); from generate_client import serve; "
-                  f"from pathlib import Path; serve({port}, Path({str(work / 'canned.json')!r}))")
+                  f"from pathlib import Path; serve({port}, Path({str(work / 'canned.json')!r}), "
+                  f"Path({str(work / 'prompt_ids.json')!r}))")
     server = subprocess.Popen([sys.executable, "-c", serve_code], cwd=ROOT)
     try:
         for _ in range(100):

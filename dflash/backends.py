@@ -343,7 +343,8 @@ class OpenAIBackend:
         """Refuse a reply of another model than the one asked for (a server that does not serve the
         model named in the request may answer with its own)."""
         model = reply.get("model")
-        if model is not None and model != self.model_name:
+        # `transformers serve` names the revision it loaded: "<model>@main"
+        if model is not None and model != self.model_name and model.partition("@")[0] != self.model_name:
             raise WrongModel(f"server {self.url} answered with model {model}, asked for {self.model_name}: every "
                              f"record would be another model's; point generate.server.url at the target's server, or "
                              f"set generate.server.model to the name that server gives the target")

@@ -63,6 +63,8 @@ class Faults(BaseHTTPRequestHandler):
             choice["finish_reason"] = None
         elif fault == "othermodel":
             reply["model"] = "other-model-7b"
+        elif fault == "revision":  # `transformers serve` names the revision it loaded
+            reply["model"] = f"{request['model']}@main"
         elif fault == "truncated":  # a server that cut the prompt to its context
             reply["prompt_token_ids"] = prompt[:-3]
         elif fault == "oov":
@@ -118,7 +120,7 @@ class Faults(BaseHTTPRequestHandler):
 
 
 STREAMS = ("stream", "cut", "cut-chunked", "empty", "ping", "oov-stream", "othermodel-stream")
-REPLIES = ("reply", "nullfinish", "othermodel", "truncated", "oov")
+REPLIES = ("reply", "nullfinish", "othermodel", "revision", "truncated", "oov")
 
 
 @pytest.fixture(scope="module")
@@ -182,10 +184,11 @@ def test_fault_becomes_error_records_or_a_clear_failure(fault_server, fault, ser
     assert json.loads((tmp_path / "s.json").read_text())["errors"] == 2
 
 
-@pytest.mark.parametrize("fault,server", [("reply", VLLM), ("stream", STREAMED)])
+@pytest.mark.parametrize("fault,server", [("reply", VLLM), ("stream", STREAMED), ("revision", VLLM)])
 def test_the_fake_servers_whole_answer_is_a_stop_record(fault_server, fault, server, tmp_path, target_dir,
                                                         demo_sources):
-    """The fake's faults are faults: its whole answer, streamed or not, passes every check."""
+    """The fake's faults are faults: its whole answer, streamed or not, passes every check; so does
+    one naming the model with the revision it loaded (``m@main``), as ``transformers serve`` does."""
     write_jsonl_zst(tmp_path / "p.jsonl.zst", list(read_source(demo_sources[0]))[:1])
     generate_shard(tmp_path / "p.jsonl.zst", tmp_path / "c.jsonl.zst", target_dir,
                    settings(f"{fault_server}/{fault}/v1", **server))
