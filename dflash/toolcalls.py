@@ -159,12 +159,17 @@ def _follow_local_refs(schema) -> None:
             ref = contents.get("$ref") if isinstance(contents, dict) else None
 
 
+def _schema(parameters):
+    """(validator, None) for a tool's ``parameters`` schema jsonschema can use, else (None, why)."""
+    if deeper_than(parameters):
+        return None, f"nested more than {MAX_JSON_DEPTH} levels deep"
+    return _checked(json.dumps(parameters, sort_keys=True))
+
+
 def schema_problem(parameters) -> str | None:
     """Why jsonschema cannot use a tool's ``parameters`` schema, or None (the prompts stage drops
     such a prompt; validate rejects a call against one with ``tool_bad_schema``)."""
-    if deeper_than(parameters):
-        return f"nested more than {MAX_JSON_DEPTH} levels deep"
-    return _checked(json.dumps(parameters, sort_keys=True))[1]
+    return _schema(parameters)[1]
 
 
 XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
@@ -199,10 +204,11 @@ def call_problems(name: str, arguments, offered: dict[str, dict]) -> list[tuple[
     if not isinstance(arguments, dict):
         return [("tool_args_schema", f"{name}: arguments are not an object")]
     schema = offered[name].get("parameters") or {}
-    if problem := schema_problem(schema):
+    validator, problem = _schema(schema)
+    if problem:
         return [("tool_bad_schema", f"{name}: the offered parameters schema is unusable: {problem}")]
     try:
-        errors = list(_checked(json.dumps(schema, sort_keys=True))[0].iter_errors(arguments))
+        errors = list(validator.iter_errors(arguments))
     except UNUSABLE as e:  # a $ref met only inside a value the probe of _checked did not have
         return [("tool_bad_schema", f"{name}: the offered parameters schema is unusable: {_unusable(e)}")]
     return [("tool_missing_required" if error.validator == "required" else "tool_args_schema",
