@@ -53,6 +53,7 @@ ALONE = {
     "loop_watch.py": (["--rounds", "1"], r"^32k looping +\d+ +\d+ +[\d.]+", None),
     "validate_throughput.py": (["--records", "200", "--shard-size", "100", "--rounds", "1"],
                                r"^ratio validate / floor, same cut: median [\d.]+ of 1 rounds", None),
+    "validation_quality.py": ([], r"^overall +\d+ +\d+ +\d+ +\d+ +\d+ +\d+ +\d+ +[\d.]+% ", None),
 }
 ALONE_SLOW = {  # 5 to 20 s each
     "tokenize_throughput.py": (["--records", "10", "--rounds", "1", "--specforge-python", "absent/python"],
