@@ -145,7 +145,10 @@ def _messages_from(raw: dict, source: dict) -> tuple[list[dict], list | None]:
     if fmt == "openai":
         return raw["messages"], raw.get("tools")
     if fmt == "sharegpt":
-        turns = raw["conversations"] if "conversations" in raw else raw["conversation"]
+        key = next((k for k in ("conversations", "conversation") if k in raw), None)
+        if key is None:
+            raise Quirk("malformed_record", "missing field 'conversations' for format 'sharegpt'")
+        turns = raw[key]
         if not isinstance(turns, list):
             raise Quirk("malformed_record", f"conversations is a JSON {type(turns).__name__}, not a list")
         return [_sharegpt_turn(k, t) for k, t in enumerate(turns)], raw.get("tools")
@@ -380,8 +383,11 @@ def _prompt_records(raw: dict, source: dict, fmt: str, name: str, index: int, wh
         if not any(m["role"] == "user" for m in messages):
             raise Quirk("no_user_turn", "no user turn before the first tool call to prompt with")
         entries = [(messages, tools, {"replay": replay} if replay else {})]
-    category = _enum_value(raw, source, "category", CATEGORIES, "other")
-    split = _enum_value(raw, source, "split", SPLITS, "train")
+    # A benchmark's own fields mean other things (MT-Bench's category "writing", a split "test"):
+    # a fields source takes both from its configuration.
+    own = raw if fmt != "fields" else {}
+    category = _enum_value(own, source, "category", CATEGORIES, "other")
+    split = _enum_value(own, source, "split", SPLITS, "train")
     records = []
     for choice, (messages, tools, extra) in enumerate(entries):
         tools = tools or None
@@ -510,7 +516,7 @@ def dropped_share_problem(tally: dict[str, dict], sources: list[dict], limit: fl
         lost = Counter({code: n for code, n in counts["dropped"].items() if code != "duplicate"})
         share = sum(lost.values()) / max(1, counts["records"])
         if share > limit:
-            top = ", ".join(f"{code} {n:,}" for code, n in lost.most_common(3))
+            top = ", ".join(f"{code} {n:,}" for code, n in sorted(lost.items(), key=lambda kv: (-kv[1], kv[0]))[:3])
             return (f"prompt source {source['name']!r} ({source['path']}): {share:.1%} of its {counts['records']:,} "
                     f"records dropped ({top}), over prompts.max_dropped_share {limit}: check its format "
                     f"({source.get('format', 'openai')}; the prompts log names each record) or raise the limit")
