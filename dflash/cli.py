@@ -31,7 +31,8 @@ def _prompts(cfg, a):
         raise FileNotFoundError(f"{target}: no such model folder (its tokenizer and template screen the prompts): "
                                 f"{fix}")
     build_prompts(cfg["prompts"]["sources"], a.out, cfg["prompts"]["shard_size"],
-                  prompt_checks(target, prompt_check_settings(cfg)), cfg["prompts"]["max_line_bytes"])
+                  prompt_checks(target, prompt_check_settings(cfg)), cfg["prompts"]["max_line_bytes"],
+                  cfg["prompts"]["max_dropped_share"])
 
 
 def _target(cfg, a):

@@ -7,6 +7,7 @@ naming the file, never a shorter shard.
 """
 from __future__ import annotations
 
+import codecs
 import errno
 import fnmatch
 import hashlib
@@ -545,3 +546,248 @@ def file_sha256(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+# Prompt sources as datasets are published: JSON Lines, one JSON array (ShareGPT's dumps), or
+# Parquet (most Hugging Face datasets); JSON Lines and arrays optionally zstd-compressed.
+SOURCE_CONTAINERS = ("jsonl", "json_array", "parquet")
+_SNIFF_BYTES = 1 << 16
+# What a file that is none of them usually is, by its first bytes: named, so the fix is plain.
+_NOT_A_SOURCE = ((b"PK\x03\x04", "a zip archive: unzip it"), (b"BZh", "bzip2-compressed: recompress it with zstd"),
+                 (b"\xfd7zXZ", "xz-compressed: recompress it with zstd"),
+                 (b"version https://git-lfs", "a Git LFS pointer, not the data: fetch it with git lfs pull"),
+                 (b"<", "HTML or XML (an error page saved in place of the file?)"))
+
+
+def source_container(path: str | os.PathLike) -> str:
+    """Which of ``SOURCE_CONTAINERS`` a source file is, from its first bytes (after zstd when the
+    name ends in ``.zst``): ``PAR1`` Parquet, ``[`` one JSON array, ``{`` (or nothing) JSON Lines.
+    Anything else is a ``ValueError`` naming what the file is."""
+    path = Path(path)
+    with open(path, "rb") as raw:
+        _refuse_gzip(path, raw)
+        head = raw.peek(4)[:4]
+        if head == b"PAR1":
+            return "parquet"
+        if path.suffix == ".parquet":
+            raise ValueError(f"{path}: not a Parquet file (it does not start with PAR1): {REFETCH}")
+        if path.suffix == ".zst":
+            try:
+                head = io.BufferedReader(CheckedZstdReader(raw), _SNIFF_BYTES).peek(_SNIFF_BYTES)
+            except (_ZstdCut, zstandard.ZstdError) as e:
+                raise _stream_fault(path, e, 0) from None
+        else:
+            head = raw.peek(_SNIFF_BYTES)
+    first = head.removeprefix(b"\xef\xbb\xbf").lstrip()[:1]
+    if first in (b"[",):
+        return "json_array"
+    if first in (b"{", b""):
+        return "jsonl"
+    what = next((w for magic, w in _NOT_A_SOURCE if head.startswith(magic)), None)
+    raise ValueError(f"{path}: not JSON Lines, a JSON array or Parquet: "
+                     + (what or f"it starts with {head.lstrip()[:24]!r}"))
+
+
+def source_records(path: str | os.PathLike, max_record_bytes: int | None = None,
+                   skipped: Callable[[str, str, str], None] | None = None) -> Iterator[tuple[str, dict]]:
+    """(position, record) of a prompt source file of any of ``SOURCE_CONTAINERS``, streamed:
+    memory holds one record (or one Parquet batch), never the file. The position follows the
+    file's name in messages: ``:12`` (a JSON Lines line), ``: element 3 (line 40)`` (of an array),
+    ``: row 7`` (Parquet, from 1).
+
+    A record longer than ``max_record_bytes`` (``line_too_long``) or nested too deeply
+    (``too_deep``) is read past and passed to ``skipped(position, code, detail)``, as in
+    :func:`numbered_jsonl_lines`. A file cut short (an array with no closing ``]``, a zstd stream
+    cut inside a frame, a Parquet file with no footer) is a ``ValueError`` saying so."""
+    path = Path(path)
+    container = source_container(path)
+    if container == "parquet":
+        yield from _parquet_rows(path)
+        return
+    if container == "jsonl":
+        by_line = skipped and (lambda lineno, code, detail: skipped(f":{lineno}", code, detail))
+        for lineno, _, rec in numbered_jsonl_lines(path, (), max_record_bytes, by_line):
+            yield f":{lineno}", rec
+        return
+    records = 0
+    with open(path, "rb") as raw:
+        if path.suffix != ".zst":
+            yield from _JsonArray(path, raw, max_record_bytes, skipped).records()
+            return
+        try:
+            for item in _JsonArray(path, io.BufferedReader(CheckedZstdReader(raw), 1 << 20), max_record_bytes,
+                                   skipped).records():
+                yield item
+                records += 1
+        except (_ZstdCut, zstandard.ZstdError) as e:
+            raise _stream_fault(path, e, records) from None
+
+
+_JSON = json.JSONDecoder()
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+_STRUCTURE = re.compile(r'["\[\]{}]')  # what moves the depth outside strings
+_STRING_END = re.compile(r'["\\]')
+_SKIPPED = object()
+REFETCH = "download or copy it again"  # a source is the user's file, cut or damaged on its way here
+
+
+class _JsonArray:
+    """The elements of one top-level JSON array, decoded one at a time from a sliding window of
+    the text (``json.JSONDecoder.raw_decode``): the window holds the element being read and at
+    most a read's worth more, however long the array."""
+
+    READ = 1 << 20
+
+    def __init__(self, path: Path, stream, limit: int | None, skipped: Callable[[str, str, str], None] | None):
+        self.path, self.stream, self.limit, self.skipped = path, stream, limit, skipped
+        self.text = codecs.getincrementaldecoder("utf-8-sig")()
+        self.buf, self.pos, self.eof = "", 0, False
+        self.line, self.counted = 1, 0  # the line of buf[counted]: newlines are counted once, as pos moves on
+
+    def _line_at(self, pos: int) -> int:
+        self.line += self.buf.count("\n", self.counted, pos)
+        self.counted = pos
+        return self.line
+
+    def _more(self) -> bool:
+        """Append the next read to the window, dropping what is consumed; False at the end."""
+        if self.eof:
+            return False
+        # reads grow with the element being read: a long one is decoded a few times, not once per megabyte
+        data = self.stream.read(max(self.READ, len(self.buf) - self.pos))
+        try:
+            text = self.text.decode(data, final=not data)
+        except UnicodeDecodeError:
+            raise ValueError(f"{self.path}:{self._line_at(len(self.buf))}: not UTF-8 text (JSON is UTF-8): "
+                             f"re-encode it") from None
+        self.eof = not data
+        self._line_at(self.pos)
+        self.buf, self.counted, self.pos = self.buf[self.pos:] + text, 0, 0
+        return bool(data)
+
+    def _peek(self) -> str | None:
+        while True:
+            self.pos = _WHITESPACE.match(self.buf, self.pos).end()
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
+            if not self._more():
+                return None
+
+    def records(self) -> Iterator[tuple[str, dict]]:
+        if self._peek() is None:
+            return  # an empty file: no records
+        self.pos += 1  # the "[" source_container saw
+        n = 0
+        if self._peek() == "]":
+            self.pos += 1
+        else:
+            while True:
+                if self._peek() is None:
+                    raise ValueError(f"{self.path}: ends after element {n} and a comma: the array is cut off (an "
+                                     f"interrupted download?): {REFETCH}")
+                n += 1
+                line = self._line_at(self.pos)
+                where = f": element {n} (line {line})"
+                value = self._element(n, line)
+                if value is not _SKIPPED:
+                    if not isinstance(value, dict):
+                        raise ValueError(f"{self.path}{where}: a JSON {type(value).__name__} where a record object "
+                                         f"belongs")
+                    yield where, value
+                c = self._peek()
+                if c == ",":
+                    self.pos += 1
+                    continue
+                if c == "]":
+                    self.pos += 1
+                    break
+                if c is None:
+                    raise ValueError(f"{self.path}: ends after element {n} without the closing ]: the array is cut "
+                                     f"off (an interrupted download?): {REFETCH}")
+                raise ValueError(f"{self.path}:{self._line_at(self.pos)}: not valid JSON after element {n} "
+                                 f"(expecting ',' or ']', found {c!r})")
+        if self._peek() is not None:
+            raise ValueError(f"{self.path}:{self._line_at(self.pos)}: more text after the array's closing ] "
+                             f"(JSON Lines whose records are arrays? each record must be an object)")
+
+    def _element(self, n: int, line: int):
+        """Element n (starting on ``line``) at pos, decoded, with pos past it; ``_SKIPPED`` when it
+        is too long or too deep."""
+        while True:
+            try:
+                value, end = _JSON.raw_decode(self.buf, self.pos)
+            except json.JSONDecodeError as e:
+                # What more text may complete: an open string, or an error at the window's end (a
+                # cut \\uXXXX escape is up to 6 characters before it; at the file's end, at the end).
+                end = len(self.buf.rstrip()) if self.eof else len(self.buf) - 6
+                if not (e.msg.startswith("Unterminated string") or e.pos >= end):
+                    raise ValueError(f"{self.path}:{self._line_at(e.pos)}: element {n} is not valid JSON "
+                                     f"({e.msg})") from None
+                if self.eof:
+                    raise ValueError(_cut_array(self.path, n, line)) from None
+                if self.limit is not None and len(self.buf) - self.pos > self.limit:
+                    return self._skip(n, line, "line_too_long", f"an element longer than {self.limit:,} bytes")
+                self._more()  # at the end, once more: the error then says what it is
+                continue
+            except RecursionError:
+                return self._skip(n, line, "too_deep", "lists or objects nested too deeply for a JSON parser")
+            if self.limit is not None and end - self.pos > self.limit:
+                return self._skip(n, line, "line_too_long", f"an element longer than {self.limit:,} bytes")
+            self.pos = end
+            return value
+
+    def _skip(self, n: int, line: int, code: str, detail: str):
+        """Read past element n at pos without decoding it (its brackets and strings only),
+        holding a read's worth at a time."""
+        where = f": element {n} (line {line})"
+        if self.skipped is None:
+            raise ValueError(f"{self.path}{where}: {detail}")
+        self.skipped(where, code, detail)
+        depth, in_string, i = 0, False, self.pos
+        while True:
+            m = (_STRING_END if in_string else _STRUCTURE).search(self.buf, i)
+            escape_cut = m is not None and m.group() == "\\" and m.end() == len(self.buf)
+            if m is None or escape_cut:
+                self.pos = len(self.buf)
+                if not self._more():
+                    raise ValueError(_cut_array(self.path, n, line))
+                i = 1 if escape_cut else 0  # the window now starts at the unread text (after a cut escape: its character)
+                continue
+            c, i = m.group(), m.end()
+            if c == "\\":
+                i += 1
+            elif c == '"':
+                in_string = not in_string
+            elif c in "[{":
+                depth += 1
+            else:
+                depth -= 1
+            if depth == 0 and not in_string:
+                self.pos = i
+                return _SKIPPED
+
+
+def _cut_array(path: Path, n: int, line: int) -> str:
+    return (f"{path}: ends inside element {n} (line {line}): the array is cut off (an interrupted download?): "
+            f"{REFETCH}")
+
+
+PARQUET_BATCH_ROWS = 256  # rows decoded at once: a batch of long conversations stays a few MB
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, dict]]:
+    """Rows of a Parquet file as records, a batch at a time (a row group is not held whole)."""
+    import pyarrow
+    import pyarrow.parquet as pq  # here, not at the top: only a Parquet source needs it
+
+    row = 0
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS):
+            for rec in batch.to_pylist():
+                row += 1
+                yield f": row {row}", rec
+    except (pyarrow.ArrowException, OSError) as e:
+        cut = "magic bytes not found in footer" in str(e)  # no footer: the file stops short
+        raise ValueError(f"{path}: " + (f"the Parquet file is cut off (no footer; an interrupted download?)"
+                                        if cut else f"not readable as Parquet after {row} rows ({e})")
+                         + f": {REFETCH}") from None

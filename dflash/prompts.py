@@ -37,8 +37,8 @@ import zstandard
 
 from dflash.chat import rebuild_text, template_message
 from dflash.dialects import detect_server
-from dflash.io import (MAX_JSON_DEPTH, atomic_dir, deeper_than, dumps_line, jsonl_zst_writer, numbered_jsonl_lines,
-                       shard_name, write_json)
+from dflash.io import (MAX_JSON_DEPTH, atomic_dir, deeper_than, dumps_line, jsonl_zst_writer, shard_name,
+                       source_records, write_json)
 from dflash.prompt_checks import PromptChecks
 from dflash.records import record_problem
 from dflash.storage import local_copy
@@ -54,8 +54,24 @@ SCREEN_BATCH = 256  # records read and not yet screened: what the records themse
 BUCKET_BYTES = 32 << 20  # kept records put in shard order at once
 MAX_BUCKETS = 512  # files open at once while the spill is dealt into buckets (past 16 GB, buckets grow)
 ROLES = ("system", "user", "assistant", "tool")
+# The role table of ShareGPT-style dumps (docs/stages.md): chatgpt, bing and bard are the
+# assistants the conversations were had with. Any other ``from`` drops the record (unknown_role).
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
                   "system": "system", "tool": "tool", "function_response": "tool"}
+
+
+class Quirk(ValueError):
+    """A source record that is no usable prompt: dropped with ``code``, counted per source."""
+
+    def __init__(self, code: str, detail: str):
+        super().__init__(detail)
+        self.code, self.detail = code, detail
+
+
+# Records dropped while reading, before they became prompt records: counted with the records
+# read (the screening's drops are of records already counted).
+QUIRKS = ("no_messages", "no_user_turn", "unknown_role", "malformed_record", "unknown_category", "unknown_split")
 
 
 def stable_id(source: str, messages: list[dict], tools: list | None) -> str:
@@ -99,12 +115,50 @@ def split_replay(messages: list[dict]) -> tuple[list[dict], list[dict]]:
     return messages[:first], steps
 
 
-def _messages_from(raw: dict, fmt: str) -> tuple[list[dict], list | None]:
+def _sharegpt_turn(k: int, turn) -> dict:
+    if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+        raise Quirk("malformed_record", f"turn {k} is not an object with from and value")
+    if turn["from"] not in SHAREGPT_ROLES:
+        raise Quirk("unknown_role", f"turn {k} is from {turn['from']!r} (the role table: docs/stages.md)")
+    if not isinstance(turn["value"], str):
+        raise Quirk("malformed_record", f"turn {k}'s value is a JSON {type(turn['value']).__name__}, not text")
+    return {"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]}
+
+
+def _field_text(raw: dict, field: str) -> str:
+    """A prompt field's text; a list is a conversation's user turns (MT-Bench ``turns``): the
+    first, as the second needs the model's answer to the first."""
+    if field not in raw:
+        raise Quirk("malformed_record", f"missing field {field!r}")
+    value = raw[field]
+    if isinstance(value, list):
+        if not value:
+            raise Quirk("no_messages", f"field {field!r} is an empty list")
+        value = value[0]
+    if not isinstance(value, str):
+        raise Quirk("malformed_record", f"field {field!r} is a JSON {type(value).__name__}, not text")
+    return value
+
+
+def _messages_from(raw: dict, source: dict) -> tuple[list[dict], list | None]:
+    fmt = source.get("format", "openai")
     if fmt == "openai":
         return raw["messages"], raw.get("tools")
     if fmt == "sharegpt":
-        turns = raw.get("conversations") or raw["conversation"]
-        return [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns], raw.get("tools")
+        key = next((k for k in ("conversations", "conversation") if k in raw), None)
+        if key is None:
+            raise Quirk("malformed_record", "missing field 'conversations' for format 'sharegpt'")
+        turns = raw[key]
+        if not isinstance(turns, list):
+            raise Quirk("malformed_record", f"conversations is a JSON {type(turns).__name__}, not a list")
+        return [_sharegpt_turn(k, t) for k, t in enumerate(turns)], raw.get("tools")
+    if fmt == "fields":
+        fields = source["prompt_field"]
+        user = "\n\n".join(_field_text(raw, f) for f in ([fields] if isinstance(fields, str) else fields))
+        messages = [{"role": "user", "content": user}]
+        if source.get("system_field") and raw.get(source["system_field"]):
+            messages.insert(0, {"role": "system", "content": _field_text(raw, source["system_field"])})
+        return messages, None
     if fmt == "alpaca":
         user = raw["instruction"] + (f"\n\n{raw['input']}" if raw.get("input") else "")
         messages = [{"role": "user", "content": user}]
@@ -114,21 +168,26 @@ def _messages_from(raw: dict, fmt: str) -> tuple[list[dict], list | None]:
     raise ValueError(f"unknown source format {fmt!r}")
 
 
-def _check_messages(messages: list[dict], tools, where: str) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: no messages")
-    for m in messages:
+def _check_messages(messages: list[dict], tools) -> None:
+    """Raise the ``Quirk`` that makes these messages and tools no prompt."""
+    if not isinstance(messages, list):
+        raise Quirk("malformed_record", f"messages is a JSON {type(messages).__name__}, not a list")
+    if not messages:
+        raise Quirk("no_messages", "an empty conversation")
+    for n, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ValueError(f"{where}: a message is a JSON {type(m).__name__}, not an object with role and content")
+            raise Quirk("malformed_record", f"message {n} is a JSON {type(m).__name__}, not an object with role "
+                                            f"and content")
         if m.get("role") not in ROLES:
-            raise ValueError(f"{where}: unknown role {m.get('role')!r} (expected one of {', '.join(ROLES)})")
+            raise Quirk("unknown_role", f"message {n} has role {m.get('role')!r} (expected one of {', '.join(ROLES)})")
     if not any(m["role"] == "user" for m in messages):
-        raise ValueError(f"{where}: no user message")
+        raise Quirk("no_user_turn", f"no user turn (roles: {', '.join(sorted({m['role'] for m in messages}))})")
     if tools is not None:
         for t in tools if isinstance(tools, list) else [tools]:
             fn = t.get("function") if isinstance(t, dict) else None
             if not isinstance(fn, dict) or t.get("type") != "function" or "name" not in fn:
-                raise ValueError(f"{where}: tools entries must be {{'type': 'function', 'function': {{'name', ...}}}}")
+                raise Quirk("malformed_record", "tools entries must be {'type': 'function', 'function': "
+                                                "{'name', ...}}")
 
 
 # Tool names the engines take (OpenAI's rule, and the dots of namespaced tools): vLLM and the
@@ -254,13 +313,20 @@ def _imported_from(raw: dict, source: dict, where: str) -> list[tuple[list[dict]
 
 
 def read_source(source: dict, dropped: Counter | None = None, max_line_bytes: int | None = None) -> Iterator[dict]:
-    """Prompt records of one configured source (a local path or ``s3://``), with ``meta.split``
-    set. A ``chat_completions`` source holds generations to adopt (``meta.imported``): its
-    messages are the request's, whole (nothing is cut or replayed: the server answered them); a
-    logged request that failed is skipped, counted in ``dropped`` as ``failed_request``. A line
-    longer than ``max_line_bytes`` (``line_too_long``) or nesting lists and objects deeper than
-    ``MAX_JSON_DEPTH`` (``too_deep``) is skipped and counted too, never held whole or walked."""
+    """Prompt records of one configured source (a local path or ``s3://``; JSON Lines, a JSON
+    array or Parquet: ``dflash.io.source_records``), with ``meta.split`` set. A record that is no
+    usable prompt (a ``Quirk``: an empty conversation, no user turn, a role outside the role
+    table, a field missing or of the wrong type, a category or split of its own outside the enums)
+    is skipped, counted in ``dropped`` under its code and logged with its place and id; only what
+    is wrong with the whole file stops the stage. A ``chat_completions`` source holds generations
+    to adopt (``meta.imported``): its messages are the request's, whole (nothing is cut or
+    replayed: the server answered them); a logged request that failed is skipped, counted as
+    ``failed_request``. A record longer than ``max_line_bytes`` (``line_too_long``) or nesting
+    lists and objects deeper than ``MAX_JSON_DEPTH`` (``too_deep``) is skipped and counted too,
+    never held whole or walked."""
     fmt, name = source.get("format", "openai"), source["name"]
+    if fmt == "fields" and not source.get("prompt_field"):
+        raise ValueError(f"prompt source {name!r}: format fields needs prompt_field, the field holding the prompt")
     try:
         with local_copy(source["path"]) as path:
             yield from _records_of(path, source["path"], fmt, name, source, Counter() if dropped is None else dropped,
@@ -275,61 +341,87 @@ UNREADABLE = ("line_too_long", "too_deep")
 
 def _records_of(path: Path, shown: str, fmt: str, name: str, source: dict, dropped: Counter,
                 max_line_bytes: int | None = None) -> Iterator[dict]:
-    def skipped(lineno: int, code: str, detail: str) -> None:
+    def skipped(position: str, code: str, detail: str) -> None:
         dropped[code] += 1
         bound = " (prompts.max_line_bytes)" if code == "line_too_long" else ""
-        log.warning("%s:%d: %s: %s%s: skipped", shown, lineno, code, detail, bound)
+        log.warning("%s%s: %s: %s%s: skipped", shown, position, code, detail, bound)
 
-    for index, (lineno, _, raw) in enumerate(numbered_jsonl_lines(path, max_line_bytes=max_line_bytes, skipped=skipped)):
-        where = f"{shown}:{lineno}"
+    for index, (position, raw) in enumerate(source_records(path, max_line_bytes, skipped)):
+        where = f"{shown}{position}"
         if deeper_than(raw):
-            skipped(lineno, "too_deep", f"lists or objects nested more than {MAX_JSON_DEPTH} levels deep")
+            skipped(position, "too_deep", f"lists or objects nested more than {MAX_JSON_DEPTH} levels deep")
             continue
         if fmt == "chat_completions" and (failure := failed_exchange(raw)):
             dropped["failed_request"] += 1
             log.warning("%s: a failed request (%s), nothing to adopt: skipped", where, failure)
             continue
-        if fmt == "chat_completions":
-            entries = _imported_from(raw, source, where)
-        else:
-            try:
-                messages, tools = _messages_from(raw, fmt)
-            except KeyError as e:
-                raise ValueError(f"{where}: missing field {e} for format {fmt!r}") from None
-            except (TypeError, AttributeError):
-                raise ValueError(f"{where}: a field of the wrong type for format {fmt!r} (see docs/stages.md for "
-                                 f"the source formats)") from None
-            _check_messages(messages, tools, where)
-            messages, replay = split_replay(messages)
-            if not messages:
-                raise ValueError(f"{where}: nothing before the first tool call to prompt with")
-            entries = [(messages, tools, {"replay": replay} if replay else {})]
-        category = raw.get("category") or source.get("category") or "other"
-        if category not in CATEGORIES:
-            raise ValueError(f"{where}: unknown category {category!r} (expected one of {', '.join(CATEGORIES)})")
-        split = raw.get("split") or source.get("split", "train")
-        if split not in SPLITS:  # a test record trained on would make every eval on it a lie
-            raise ValueError(f"{where}: unknown split {split!r} (expected one of {', '.join(SPLITS)}; heldout "
-                             f"records feed the eval only)")
-        for choice, (messages, tools, extra) in enumerate(entries):
-            if fmt == "chat_completions":
-                _check_messages(messages, tools, where)
-            tools = tools or None
-            # An imported generation is its own record: several answers to one prompt all count.
-            keyed = messages + [{"replay": step} for step in extra.get("replay", [])]
-            if "imported" in extra:
-                keyed = keyed + [{"imported": extra["imported"]["message"], "choice": choice}]
-            rec = {
-                "id": stable_id(name, keyed, tools),
-                "source": name,
-                "category": category,
-                "messages": messages,
-                "tools": tools,
-                "meta": {"index": index, "split": split, **extra},
-            }
-            if problem := record_problem("prompt", rec):
-                raise ValueError(f"{where}: {problem}")
-            yield rec
+        try:
+            yield from _prompt_records(raw, source, fmt, name, index, where)
+        except Quirk as q:
+            dropped[q.code] += 1
+            own = raw.get("id")
+            log.warning("%s%s: %s: %s: dropped", where, f" (id {own!r})" if isinstance(own, (str, int)) else "",
+                        q.code, q.detail)
+
+
+def _prompt_records(raw: dict, source: dict, fmt: str, name: str, index: int, where: str) -> list[dict]:
+    """The prompt records of one source record (one per choice of a logged exchange), or the
+    ``Quirk`` that makes it none."""
+    if fmt == "chat_completions":
+        entries = _imported_from(raw, source, where)
+        _check_messages(entries[0][0], entries[0][1])  # every choice answers the same request
+    else:
+        try:
+            messages, tools = _messages_from(raw, source)
+        except KeyError as e:
+            raise Quirk("malformed_record", f"missing field {e} for format {fmt!r}") from None
+        except (TypeError, AttributeError):
+            raise Quirk("malformed_record", f"a field of the wrong type for format {fmt!r} (see docs/stages.md "
+                                            f"for the source formats)") from None
+        _check_messages(messages, tools)
+        messages, replay = split_replay(messages)
+        if not any(m["role"] == "user" for m in messages):
+            raise Quirk("no_user_turn", "no user turn before the first tool call to prompt with")
+        entries = [(messages, tools, {"replay": replay} if replay else {})]
+    # A benchmark's own fields mean other things (MT-Bench's category "writing", a split "test"):
+    # a fields source takes both from its configuration.
+    own = raw if fmt != "fields" else {}
+    category = _enum_value(own, source, "category", CATEGORIES, "other")
+    split = _enum_value(own, source, "split", SPLITS, "train")
+    records = []
+    for choice, (messages, tools, extra) in enumerate(entries):
+        tools = tools or None
+        # An imported generation is its own record: several answers to one prompt all count.
+        keyed = messages + [{"replay": step} for step in extra.get("replay", [])]
+        if "imported" in extra:
+            keyed = keyed + [{"imported": extra["imported"]["message"], "choice": choice}]
+        rec = {
+            "id": stable_id(name, keyed, tools),
+            "source": name,
+            "category": category,
+            "messages": messages,
+            "tools": tools,
+            "meta": {"index": index, "split": split, **extra},
+        }
+        if problem := record_problem("prompt", rec):
+            raise Quirk("malformed_record", problem)
+        records.append(rec)
+    return records
+
+
+def _enum_value(raw: dict, source: dict, key: str, allowed: tuple[str, ...], default: str) -> str:
+    """A record's category or split: its own (outside ``allowed``: the record is dropped), else
+    the source's (outside ``allowed``: the configuration is wrong, and the stage stops)."""
+    # a test record trained on would make every eval on it a lie: an unknown split is never guessed
+    expected = f"expected one of {', '.join(allowed)}" + ("; heldout records feed the eval only" if key == "split" else "")
+    if raw.get(key):
+        if raw[key] not in allowed:
+            raise Quirk(f"unknown_{key}", f"unknown {key} {raw[key]!r} ({expected})")
+        return raw[key]
+    value = source.get(key, default)
+    if value not in allowed:
+        raise ValueError(f"prompt source {source['name']!r}: unknown {key} {value!r} ({expected})")
+    return value
 
 
 def stratified_order(ids: np.ndarray, categories: np.ndarray) -> np.ndarray:
@@ -399,7 +491,8 @@ def _read_sources(sources: list[dict], checks: PromptChecks | None, kept: _Kept,
             if len(batch) == SCREEN_BATCH:
                 screen_batch()
         # read, then dropped before they became records
-        counts["records"] += sum(screened[source["name"]]["dropped"][code] for code in ("failed_request", *UNREADABLE))
+        counts["records"] += sum(screened[source["name"]]["dropped"][code]
+                                 for code in ("failed_request", *UNREADABLE, *QUIRKS))
         if not counts["records"]:
             notice(log, f"prompt source {source['name']!r} ({source['path']}) holds no records")
     screen_batch()
@@ -410,6 +503,24 @@ def _read_sources(sources: list[dict], checks: PromptChecks | None, kept: _Kept,
         dropped.update(screened[name]["dropped"])
         tally[name] = {"records": counts["records"], "dropped": dropped, "flagged": screened[name]["flagged"]}
     return tally
+
+
+def dropped_share_problem(tally: dict[str, dict], sources: list[dict], limit: float | None) -> str | None:
+    """The line that stops the stage when a source's drops (duplicates aside: a source may
+    overlap another) pass ``limit`` of its records, or None. So many drops mean the source is
+    not what its format says (a ShareGPT file given as openai), not that its records are odd."""
+    if limit is None:
+        return None
+    for source in sources:
+        counts = tally[source["name"]]
+        lost = Counter({code: n for code, n in counts["dropped"].items() if code != "duplicate"})
+        share = sum(lost.values()) / max(1, counts["records"])
+        if share > limit:
+            top = ", ".join(f"{code} {n:,}" for code, n in sorted(lost.items(), key=lambda kv: (-kv[1], kv[0]))[:3])
+            return (f"prompt source {source['name']!r} ({source['path']}): {share:.1%} of its {counts['records']:,} "
+                    f"records dropped ({top}), over prompts.max_dropped_share {limit}: check its format "
+                    f"({source.get('format', 'openai')}; the prompts log names each record) or raise the limit")
+    return None
 
 
 def _spilled_in_order(spill: Path, order: np.ndarray, spilled_bytes: int) -> Iterator[bytes]:
@@ -439,9 +550,11 @@ def _spilled_in_order(spill: Path, order: np.ndarray, spilled_bytes: int) -> Ite
 
 
 def build_prompts(sources: list[dict], out_dir: str | Path, shard_size: int, checks: PromptChecks | None = None,
-                  max_line_bytes: int | None = None) -> dict:
+                  max_line_bytes: int | None = None, max_dropped_share: float | None = None) -> dict:
     """Read, dedup, screen (with ``checks``) and shard all sources into ``out_dir``; returns the
-    manifest, which counts per source the records read, kept, dropped and flagged.
+    manifest, which counts per source the records read, kept, dropped and flagged. A source that
+    loses more than ``max_dropped_share`` of its records (duplicates aside) stops the stage
+    before anything is written (``dropped_share_problem``).
 
     The records are streamed: each kept record is written to a spill file as soon as it is
     screened, and memory holds only a content hash per record read (the dedup) and the id,
@@ -452,6 +565,8 @@ def build_prompts(sources: list[dict], out_dir: str | Path, shard_size: int, che
         with jsonl_zst_writer(spill, level=1) as write:
             kept = _Kept(write)
             tally = _read_sources(sources, checks, kept, max_line_bytes)
+        if problem := dropped_share_problem(tally, sources, max_dropped_share):
+            raise ValueError(problem)
         dropped = sum((c["dropped"] for c in tally.values()), Counter())
         ids, categories = np.frombuffer(kept.ids, dtype=np.uint64), np.frombuffer(kept.categories, dtype=np.uint8)
         heldout = np.frombuffer(kept.heldout, dtype=np.uint8).astype(bool)

@@ -11,6 +11,7 @@ checkpoint prompts:
         sources=config["prompts"]["sources"],
         shard_size=config["prompts"]["shard_size"],
         max_line_bytes=config["prompts"]["max_line_bytes"],
+        max_dropped_share=config["prompts"]["max_dropped_share"],
         checks=prompt_check_settings(config),
     log:
         f"{LOGS}/prompts.log",

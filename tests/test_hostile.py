@@ -318,10 +318,14 @@ def test_tokenize_takes_validated_records_only(tmp_path, target, capsys):
 def test_an_unknown_split_is_refused_like_an_unknown_category(tmp_path, target, where):
     line = {**ask("Hi"), "split": "test"} if where == "record" else ask("Hi")
     src = source(tmp_path, [ask("Hello"), line], **({"split": "test"} if where == "source" else {}))
-    with pytest.raises(ValueError, match=rf"^{src['path']}:{1 if where == 'source' else 2}: unknown split 'test' "
-                                         r"\(expected one of train, heldout; heldout records feed the eval only\)"):
-        build_prompts([src], tmp_path / "p", 10, checks(target))
-    assert not (tmp_path / "p").exists()
+    if where == "record":  # the record's own split: that record is dropped (issue 43), never trained on
+        manifest = build_prompts([src], tmp_path / "p", 10, checks(target))
+        assert manifest["sources"]["in"]["dropped"] == {"unknown_split": 1} and manifest["prompts"] == 1
+    else:  # the source's: the configuration is wrong
+        with pytest.raises(ValueError, match=r"^prompt source 'in': unknown split 'test' "
+                                             r"\(expected one of train, heldout; heldout records feed the eval only\)"):
+            build_prompts([src], tmp_path / "p", 10, checks(target))
+        assert not (tmp_path / "p").exists()
     with pytest.raises(ConfigError, match="at prompts.sources.0.split: 'test' is not one of"):
         check_config({"prompts": {"sources": [{"name": "a", "path": "a.jsonl", "split": "test"}]}})
 
@@ -357,11 +361,12 @@ def test_a_shard_of_another_stage_is_named_as_such(tmp_path, capsys, target_dir)
                             "validate stage")
 
 
-def test_a_tool_whose_parameters_are_no_schema_is_refused_at_the_prompts_stage(tmp_path, target):
+def test_a_tool_whose_parameters_are_no_schema_is_refused_at_the_prompts_stage(tmp_path, target, caplog):
     tool = {"type": "function", "function": {"name": "f", "parameters": "{\"type\": \"object\"}"}}
     src = source(tmp_path, [ask("Hi"), {**ask("Use f."), "tools": [tool]}])
-    with pytest.raises(ValueError, match=rf"^{src['path']}:2: tools\[0\]\.function\.parameters must be object$"):
-        build_prompts([src], tmp_path / "p", 10, checks(target))
+    manifest = build_prompts([src], tmp_path / "p", 10, checks(target))
+    assert manifest["sources"]["in"]["dropped"] == {"malformed_record": 1} and manifest["prompts"] == 1
+    assert f"{src['path']}:2: malformed_record: tools[0].function.parameters must be object: dropped" in caplog.text
 
 
 def snakemake_dry(work: Path, *args) -> subprocess.CompletedProcess:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zstandard
 from jsonschema import Draft202012Validator
 
 import dflash.prompts
@@ -85,20 +86,24 @@ def test_ids_are_stable_and_duplicates_dropped(tmp_path, demo_sources):
     assert ids_a == ids_b and len(set(ids_a)) == 5
 
 
-def test_bad_record_names_file_and_line(tmp_path):
+def test_bad_record_names_file_and_line(tmp_path, caplog):
+    """A record that is no prompt is dropped and counted, logged with its file and line; a line
+    that is not JSON stops the stage naming them."""
     bad = tmp_path / "bad.jsonl"
+    dropped = Counter()
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
                    + json.dumps({"messages": [{"role": "robot", "content": "hi"}]}) + "\n")
-    with pytest.raises(ValueError, match=r"bad\.jsonl:2: unknown role 'robot'"):
-        list(read_source({"name": "x", "path": str(bad)}))
+    assert len(list(read_source({"name": "x", "path": str(bad)}, dropped))) == 1 and dropped == {"unknown_role": 1}
+    assert f"{bad}:2: unknown_role: message 0 has role 'robot' (expected one of system, user, assistant, tool): " \
+           f"dropped" in caplog.text
     bad.write_text('{"messages": [}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:1: not valid JSON"):
         list(read_source({"name": "x", "path": str(bad)}))
     # blank lines (a hand-edited file, a dump with separators) count: the line is the editor's line
     bad.write_text("\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n\n  \n"
                    + json.dumps({"messages": [{"role": "robot", "content": "hi"}]}) + "\n")
-    with pytest.raises(ValueError, match=r"bad\.jsonl:5: unknown role 'robot'"):
-        list(read_source({"name": "x", "path": str(bad)}))
+    list(read_source({"name": "x", "path": str(bad)}))
+    assert f"{bad}:5: unknown_role" in caplog.text
 
 
 def test_sharegpt_and_alpaca_sources(tmp_path):
@@ -397,3 +402,224 @@ def test_memory_does_not_grow_with_the_records(tmp_path, target_dir):
         rss[n], out = peak_rss([sys.executable, "-c", MEMORY_CHILD, str(src), str(tmp_path / f"p{n}"), str(target_dir)])
         assert json.loads(out) == {"prompts": n}
     assert (rss[30_000] - rss[5_000]) / 25_000 < 1000, rss
+
+
+# Sources as they are published (issue 43): a ShareGPT dump is one JSON array of
+# {id, conversations: [{from, value}]}, with every quirk real dumps hold.
+
+SHAREGPT_KEPT = [
+    {"id": "long", "conversations": [
+        {"from": "human", "value": "I am writing a README for a CLI tool. What sections should it have?"},
+        {"from": "gpt", "value": "## Sections\n\n1. **Install** (`pip install tool`)\n2. **Usage**\n3. "
+                                 "**Configuration**\n\n| key | default |\n| --- | --- |\n| `path` | `.` |"},
+        {"from": "human", "value": "Write the Usage section, with an example in a code block."},
+        {"from": "gpt", "value": "## Usage\n\n```bash\ntool --path ./data --verbose\n```\n\nRun it from the "
+                                 "folder that holds your data."},
+        {"from": "human", "value": "Now make it shorter, and add a `--dry-run` flag."},
+        {"from": "gpt", "value": "## Usage\n\n```bash\ntool --path ./data --dry-run\n```"}]},
+    {"id": "zh", "conversations": [
+        {"from": "human", "value": "请用三句话解释什么是量子纠缠。"},
+        {"from": "gpt", "value": "量子纠缠是两个粒子之间的一种关联……"}]},
+    {"id": "code", "conversations": [
+        {"from": "human", "value": "Why does this print None?\n\n```python\ndef add(a, b):\n    a + b\n\n"
+                                   "print(add(1, 2))\n```"},
+        {"from": "gpt", "value": "The function has no `return`: add `return a + b`."}]},
+    {"id": "chatgpt", "conversations": [{"from": "human", "value": "Give me a haiku about autumn rain."},
+                                        {"from": "chatgpt", "value": "Cold rain on the eaves..."}]},
+    {"id": "bing", "conversations": [{"from": "human", "value": "What is the tallest building in Europe?"},
+                                     {"from": "bing", "value": "The Lakhta Center in St Petersburg."},
+                                     {"from": "human", "value": "How tall is it, in feet?"},
+                                     {"from": "bing", "value": "About 1,516 feet."}]},
+    {"id": "bard", "conversations": [{"from": "user", "value": "Translate 'good morning' into French."},
+                                     {"from": "bard", "value": "Bonjour."}]},
+    # a chunk of a long conversation split in parts: it starts with the model's turn, kept as context
+    {"id": "starts-with-gpt_1", "conversations": [
+        {"from": "gpt", "value": "...and that is why the sky looks blue at noon but red at sunset."},
+        {"from": "human", "value": "So what colour would it be on Mars?"},
+        {"from": "gpt", "value": "Butterscotch by day, blue at sunset."}]},
+    {"id": "system", "conversations": [{"from": "system", "value": "You answer in one word."},
+                                       {"from": "human", "value": "Capital of Japan?"},
+                                       {"from": "gpt", "value": "Tokyo."}]},
+]
+SHAREGPT_QUIRKS = [  # (record, the reason it is dropped)
+    ({"id": "empty", "conversations": []}, "no_messages"),
+    ({"id": "system-only", "conversations": [{"from": "system", "value": "You are helpful."}]}, "no_user_turn"),
+    ({"id": "gpt-only", "conversations": [{"from": "gpt", "value": "Hello!"}, {"from": "gpt", "value": "Anyone?"}]},
+     "no_user_turn"),
+    ({"id": "narrator", "conversations": [{"from": "human", "value": "Hi"}, {"from": "narrator", "value": "..."}]},
+     "unknown_role"),
+    ({"id": "no-field", "items": [{"from": "human", "value": "Hi"}]}, "malformed_record"),
+    ({"id": "number", "conversations": [{"from": "human", "value": 42}]}, "malformed_record"),
+]
+
+
+def sharegpt_rows() -> list[dict]:
+    """The kept rows, the quirks and a duplicate, interleaved as a dump has them."""
+    rows = []
+    for i, quirk in enumerate(SHAREGPT_QUIRKS):
+        rows += [SHAREGPT_KEPT[i], quirk[0]]
+    return rows + SHAREGPT_KEPT[len(SHAREGPT_QUIRKS):] + [SHAREGPT_KEPT[1]]  # zh twice: a duplicate
+
+
+def sharegpt_array(path: Path, rows: list[dict]) -> dict:
+    """The dump as published: one indented JSON array; zstd-compressed for a .zst name."""
+    text = json.dumps(rows, indent=2, ensure_ascii=False).encode()
+    path.write_bytes(zstandard.ZstdCompressor().compress(text) if path.suffix == ".zst" else text)
+    return {"name": "sharegpt", "path": str(path), "format": "sharegpt", "category": "chat"}
+
+
+SHAREGPT_DROPS = {"duplicate": 1, "no_messages": 1, "no_user_turn": 2, "unknown_role": 1, "malformed_record": 2}
+
+
+def kept_messages(out: Path) -> list:
+    return sorted((r["messages"] for r in read_jsonl(out / "shard-00000.jsonl.zst")), key=json.dumps)
+
+
+@pytest.mark.parametrize("name", ["sharegpt.json", "sharegpt.json.zst"])
+def test_a_sharegpt_array_with_every_quirk_ingests(tmp_path, target, caplog, name):
+    src = sharegpt_array(tmp_path / name, sharegpt_rows())
+    manifest = build_prompts([src], tmp_path / "p", 50, checks(target))
+    assert manifest["sources"]["sharegpt"] == {"records": 15, "kept": 8, "dropped": SHAREGPT_DROPS, "flagged": {}}
+    assert manifest["prompts"] == 8
+    by_first = {m[0]["content"][:12]: m for m in kept_messages(tmp_path / "p")}
+    assert [m["role"] for m in by_first["I am writing"]] == ["user", "assistant", "user", "assistant", "user"]
+    assert [m["role"] for m in by_first["What is the "]] == ["user", "assistant", "user"]  # bing: an assistant
+    assert [m["role"] for m in by_first["...and that "]] == ["assistant", "user"]  # a leading model turn is kept
+    assert [m["role"] for m in by_first["You answer i"]] == ["system", "user"]
+    # each drop logged with its place in the array and the record's own id
+    assert re.search(rf"{name}: element 2 \(line \d+\) \(id 'empty'\): no_messages: an empty conversation: dropped",
+                     caplog.text)
+    assert re.search(r"element 8 \(line \d+\) \(id 'narrator'\): unknown_role: turn 1 is from 'narrator' \(the role "
+                     r"table: docs/stages.md\): dropped", caplog.text)
+    assert re.search(r"\(id 'number'\): malformed_record: turn 0's value is a JSON int, not text", caplog.text)
+    assert re.search(r"\(id 'no-field'\): malformed_record: missing field 'conversations' for format 'sharegpt'", caplog.text)
+
+
+def test_a_sharegpt_parquet_file_ingests_alike(tmp_path, target):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    json_src = sharegpt_array(tmp_path / "sharegpt.json", sharegpt_rows())
+    build_prompts([json_src], tmp_path / "from-json", 50, checks(target))
+    # Parquet's typed columns cannot hold a number among the strings: that quirk is JSON's alone
+    rows = [r for r in sharegpt_rows() if r["id"] != "number"]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "sharegpt.parquet", row_group_size=4)
+    manifest = build_prompts([{**json_src, "path": str(tmp_path / "sharegpt.parquet")}], tmp_path / "p", 50,
+                             checks(target))
+    assert manifest["sources"]["sharegpt"]["dropped"] == {**SHAREGPT_DROPS, "malformed_record": 1}
+    assert manifest["prompts"] == 8 and kept_messages(tmp_path / "p") == kept_messages(tmp_path / "from-json")
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes((tmp_path / "sharegpt.parquet").read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"cut\.parquet: the Parquet file is cut off \(no footer; an interrupted "
+                                         r"download\?\): download or copy it again$"):
+        build_prompts([{**json_src, "path": str(cut)}], tmp_path / "q", 50)
+
+
+def test_a_cut_off_array_is_named_as_such(tmp_path):
+    whole = json.dumps(sharegpt_rows(), indent=2, ensure_ascii=False)
+    path = tmp_path / "sharegpt.json"
+    path.write_text(whole[:whole.index('"id": "bing"') + 40])  # a download that stopped inside element 9
+    with pytest.raises(ValueError, match=rf"^{path}: ends inside element 9 \(line \d+\): the array is cut off "
+                                         r"\(an interrupted download\?\): download or copy it again$"):
+        build_prompts([{"name": "sharegpt", "path": str(path), "format": "sharegpt"}], tmp_path / "p", 50)
+    assert not (tmp_path / "p").exists()
+    path.write_text(whole[:-2])  # the last element whole, the closing ] lost
+    with pytest.raises(ValueError, match=r"ends after element 15 without the closing \]: the array is cut off"):
+        list(read_source({"name": "s", "path": str(path), "format": "sharegpt"}))
+
+
+@pytest.mark.parametrize("head,says", [
+    (b"<!DOCTYPE html><title>404</title>", "HTML or XML (an error page saved in place of the file?)"),
+    (b"version https://git-lfs.github.com/spec/v1\n", "a Git LFS pointer, not the data: fetch it with git lfs pull"),
+    (b"id,conversations\n1,hi\n", "it starts with b'id,conversations\\n1,hi\\n'"),
+])
+def test_a_file_that_is_no_source_says_what_it_is(tmp_path, head, says):
+    (tmp_path / "s.json").write_bytes(head)
+    with pytest.raises(ValueError) as e:
+        list(read_source({"name": "s", "path": str(tmp_path / "s.json")}))
+    assert str(e.value) == f"{tmp_path}/s.json: not JSON Lines, a JSON array or Parquet: {says}"
+
+
+def test_benchmark_sets_name_their_prompt_field(tmp_path, target):
+    """HumanEval's prompt, GSM8K's question (Parquet), MT-Bench's turns (the first: the second
+    needs the model's answer to it; its own category "writing" is no category of ours)."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    humaneval = jsonl(tmp_path / "humaneval.jsonl", [
+        {"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x plus {i}.\"\"\"\n",
+         "canonical_solution": f"    return x + {i}\n"} for i in range(3)])
+    pq.write_table(pa.Table.from_pylist([{"question": f"Tom has {i} apples and buys 3. How many now?",
+                                          "answer": f"#### {i + 3}"} for i in range(4)]), tmp_path / "gsm8k.parquet")
+    mtbench = jsonl(tmp_path / "mt_bench.jsonl", [
+        {"question_id": 81, "category": "writing", "turns": ["Write a travel blog post about Hawaii.",
+                                                              "Rewrite it starting every sentence with A."]},
+        {"question_id": 82, "category": "writing", "turns": []},
+        {"question_id": 83, "category": "roleplay", "turns": ["Pretend to be Sherlock Holmes."], "system": "Stay in "
+                                                                                                         "character."}])
+    sources = [{"name": "humaneval", "path": humaneval, "format": "fields", "prompt_field": "prompt", "category": "code"},
+               {"name": "gsm8k", "path": str(tmp_path / "gsm8k.parquet"), "format": "fields",
+                "prompt_field": ["question"], "category": "reasoning"},
+               {"name": "mtbench", "path": mtbench, "format": "fields", "prompt_field": "turns", "system_field": "system",
+                "category": "chat", "split": "heldout"}]
+    manifest = build_prompts(sources, tmp_path / "p", 50, checks(target))
+    assert {n: (s["kept"], s["dropped"]) for n, s in manifest["sources"].items()} == {
+        "humaneval": (3, {}), "gsm8k": (4, {}), "mtbench": (2, {"no_messages": 1})}
+    held = {r["messages"][-1]["content"]: r for r in read_jsonl(tmp_path / "p" / "heldout.jsonl.zst")}
+    assert held["Write a travel blog post about Hawaii."]["messages"] == [
+        {"role": "user", "content": "Write a travel blog post about Hawaii."}]
+    assert held["Pretend to be Sherlock Holmes."]["messages"][0] == {"role": "system", "content": "Stay in character."}
+    assert {r["category"] for r in held.values()} == {"chat"}
+    train = read_jsonl(tmp_path / "p" / "shard-00000.jsonl.zst")
+    assert {r["messages"][0]["content"] for r in train if r["source"] == "gsm8k"} == {
+        f"Tom has {i} apples and buys 3. How many now?" for i in range(4)}
+    with pytest.raises(ValueError, match="prompt source 'x': format fields needs prompt_field"):
+        list(read_source({"name": "x", "path": humaneval, "format": "fields"}))
+
+
+def test_the_dropped_share_gate(tmp_path, target):
+    """7 of ShareGPT's 15 records are dropped, 6 as quirks (the duplicate does not count): 40%."""
+    src = sharegpt_array(tmp_path / "sharegpt.json", sharegpt_rows())
+    assert build_prompts([src], tmp_path / "p", 50, checks(target), max_dropped_share=0.4)["prompts"] == 8
+    with pytest.raises(ValueError) as e:
+        build_prompts([src], tmp_path / "q", 50, checks(target), max_dropped_share=0.3)
+    assert str(e.value) == (
+        f"prompt source 'sharegpt' ({src['path']}): 40.0% of its 15 records dropped (malformed_record 2, no_user_turn 2, "
+        f"no_messages 1), over prompts.max_dropped_share 0.3: check its format (sharegpt; the prompts log names each "
+        f"record) or raise the limit")
+    assert not (tmp_path / "q").exists()
+    # the same file given as openai: every record dropped, and the gate says which format to check
+    with pytest.raises(ValueError, match=r"100\.0% of its 15 records dropped \(malformed_record 15\), over "
+                                         r"prompts\.max_dropped_share 0\.2: check its format \(openai"):
+        build_prompts([{**src, "format": "openai"}], tmp_path / "q", 50, max_dropped_share=0.2)
+
+
+def test_the_array_reader_holds_one_element_not_the_file(tmp_path):
+    """A 24 MB array read with a traced peak of a few MB: the window (a 1 MB read and the
+    element in it), never the file; an element over the bound is read past, counted."""
+    import tracemalloc
+
+    from dflash.io import source_records
+
+    path = tmp_path / "big.json"
+    turn = {"from": "human", "value": "Explain the code below.\n```python\n" + "x = compute(y) + 1\n" * 40 + "```"}
+    with open(path, "w") as f:
+        f.write("[\n")
+        for i in range(20_000):
+            f.write(("," if i else "") + json.dumps({"id": str(i), "conversations": [turn, {**turn, "from": "gpt"}]}))
+        f.write(",\n" + json.dumps({"id": "huge", "conversations": [{"from": "human", "value": "y" * (3 << 20)}]}))
+        f.write("\n]\n")
+    skipped = []
+    tracemalloc.start()
+    n = sum(1 for _ in source_records(path, 1 << 20, lambda *a: skipped.append(a)))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert n == 20_000 and skipped == [(": element 20001 (line 3)", "line_too_long", "an element longer than "
+                                        "1,048,576 bytes")]
+    assert peak < path.stat().st_size / 4, (peak, path.stat().st_size)
+
+
+def test_prompts_cli_reads_an_array(tmp_path, target_dir):
+    from dflash.cli import main
+
+    src = sharegpt_array(tmp_path / "sharegpt.json", sharegpt_rows())
+    (tmp_path / "c.yaml").write_text(json.dumps({"prompts": {"sources": [src], "max_dropped_share": 0.5}}))
+    assert main(["prompts", "--config", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "p"), "--target",
+                 str(target_dir)]) == 0
+    assert read_json(tmp_path / "p" / "manifest.json")["sources"]["sharegpt"]["dropped"] == SHAREGPT_DROPS
