@@ -36,7 +36,7 @@ def written(folder):
 
 def validate(shard, out):
     return ["validate", "--config", ROOT / "config.yaml", "--completions", shard, "--validated", out / "v.jsonl.zst",
-            "--rejected", out / "r.jsonl.zst", "--qa", out / "qa.json"]
+            "--rejected", out / "r.jsonl.zst", "--qa", out / "qa.json", "--target", ROOT / "data/demo/target"]
 
 
 def test_every_frame_carries_a_checksum(tmp_path):
