@@ -45,8 +45,9 @@ def target_special_tokens(target_dir: str | Path) -> list[str]:
         config = json.loads(path.read_text(encoding="utf-8")).get("added_tokens_decoder") or {}
         added.update({int(i): (t["content"], t.get("special", False)) for i, t in config.items()})
     if not added:
-        raise ValueError(f"{folder}: no tokenizer.json or tokenizer_config.json naming added tokens; validate reads the "
-                         f"target's special tokens there (point target.path at the model folder)")
+        raise ValueError(f"{folder}: no tokenizer.json or tokenizer_config.json naming added tokens here (validate "
+                         f"reads the target's special tokens there); point target.path, or dflash validate --target, "
+                         f"at the target model folder")
     return sorted({content for content, special in added.values() if special})
 
 
@@ -166,12 +167,13 @@ POINTER = re.compile(
     r"|(?:the )?(?:final )?answer (?:is|was) (?:in|given in|shown in|above in) (?:my|the) (?:thinking|reasoning|"
     r"analysis|thoughts|thought process)(?: above)?"
     r"|(?:my|the) (?:reasoning|thinking|analysis) above (?:has|contains|shows|gives) (?:the|my) (?:final )?answer"
-    r"|(?:详见|见|参见|参考)(?:上面|上文|上述|以上|我的思考|思考过程)(?:的)?(?:推理|分析|思考|过程|计算)?|如上(?:所述|所示|所算)"
-    r"|答案(?:在|见)(?:上面|上文|我的思考|思考过程)(?:中|里)?",
+    r"|(?:详见|见|参见|参考|(?<=答案)在)(?:上面|上文|上述|以上|我的思考|思考过程)(?:的)?(?:推理|分析|思考|过程|计算)?(?:中|里)?"
+    r"|如上(?:所述|所示|所算)",
     re.I)
 # Words that say nothing once the pointer is gone: "See my reasoning above for the answer."
 FILLER = frozenset("the a an answer final result solution is was for it this that my above please so thus hence "
                    "therefore you can and of to in as full details detailed".split())
+FILLER_ZH = re.compile("最终|答案|结果|请|详细|过程|所以|因此")
 STUB_MAX_CHARS = 300  # a pointer with a real answer around it is longer; the scan stays on short answers
 
 
@@ -182,7 +184,7 @@ def stub_answer(rec: dict) -> str | None:
     content = (rec.get("content") or "").strip()
     if not content or len(content) > STUB_MAX_CHARS or not (hit := POINTER.search(content)):
         return None
-    rest = POINTER.sub(" ", content)
+    rest = FILLER_ZH.sub(" ", POINTER.sub(" ", content))
     if any(word.lower() not in FILLER for word in re.findall(r"\w+", rest)):
         return None
     return f"the answer only points at the reasoning ({hit.group()!r})"

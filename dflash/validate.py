@@ -21,19 +21,21 @@ from dflash.records import checked_records
 from dflash.text_checks import (ShardMemory, control_token_text, duplicate_completion, language_drift, stray_think,
                                 stub_answer, thinking_in_answer, truncated_stop)
 from dflash.toolcalls import check_tool_calls
-from dflash.vocabulary import (BAD_CALL, BAD_CHAR, EXAMPLES_PER_REASON, LENGTH_BINS, TAGS, calls_a_tool, excerpt,
-                               length_stats)
+from dflash.vocabulary import (BAD_CALL, BAD_CHAR, EXAMPLES_PER_REASON, LENGTH_BINS, SCRIPTS, TAGS, calls_a_tool,
+                               excerpt, length_stats)
 
 log = logging.getLogger(__name__)
 
 ACTIONS = ("reject", "flag", "off")
 VALIDATE_READS = "validate reads the completions/ shards of the generate stage"
-SUBSTANCE = re.compile(r"\w+|[^\w\s]")
+# Scripts written without spaces count a character as a word: 用户问法国的首都是哪里 is not one word.
+SUBSTANCE = re.compile(f"[{SCRIPTS['Han']}{SCRIPTS['Kana']}{SCRIPTS['Thai']}]|\\w+|[^\\w\\s]")
 
 
 def substance_tokens(text: str, limit: int | None = None) -> int:
-    """Words and punctuation marks outside the tags: a tokenizer-free measure of real content,
-    counted up to ``limit`` (enough to tell trivial from not without scanning a long text)."""
+    """Words (a character, in Chinese, Japanese and Thai) and punctuation marks outside the tags: a
+    tokenizer-free measure of real content, counted up to ``limit`` (enough to tell trivial from
+    not without scanning a long text)."""
     return sum(1 for _ in islice(SUBSTANCE.finditer(TAGS.sub(" ", text)), limit))
 
 
@@ -76,13 +78,15 @@ CHECKS: dict[str, Callable[[dict, dict], str | bool | None]] = {
     "thinking_in_answer": lambda rec, ctx: thinking_in_answer(rec),
     "stub_answer": lambda rec, ctx: stub_answer(rec),
     "truncated_stop": lambda rec, ctx: truncated_stop(rec),
-    "duplicate_completion": lambda rec, ctx: duplicate_completion(rec, ctx["memory"], ctx["cfg"]["duplicate_min_chars"]),
+    "duplicate_completion": lambda rec, ctx: duplicate_completion(rec, ctx["memory"],
+                                                                  ctx["cfg"]["duplicate_min_chars"]),
     **{code: (lambda rec, ctx, code=code: ctx["tool_problems"].get(code))
        for code in (*BAD_CALL, "tool_call_in_reasoning", "text_after_tool_call")},
 }
 
 
-def judge(rec: dict, cfg: dict, memory: ShardMemory | None = None) -> tuple[list[str], list[str], list[dict], dict[str, str]]:
+def judge(rec: dict, cfg: dict,
+          memory: ShardMemory | None = None) -> tuple[list[str], list[str], list[dict], dict[str, str]]:
     """(reasons that reject, flags that do not, parsed tool calls, detail per hit) for one record;
     ``memory`` is the shard's so far (the target's special tokens, earlier completions), else none."""
     calls, problems = check_tool_calls(rec.get("content") or "", rec.get("reasoning"), rec.get("tools"),
