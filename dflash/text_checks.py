@@ -9,6 +9,7 @@ the format, not markup: the checks that look for tags read the text with its cod
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -21,7 +22,8 @@ from dflash.vocabulary import NON_LATIN, SCRIPTS, STRAY_THINK
 
 # A closed fenced block (its closing fence as long as the opening one at least) or an inline code span.
 QUOTED_CODE = re.compile(r"^ {0,3}(`{3,}|~{3,})[^\n]*\n[\s\S]*?^ {0,3}\1[`~]*[ \t]*$|(`+)[^`\n][^\n]*?\2", re.M)
-FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$", re.M)
+# A backtick fence line (a tilde line is as often a separator drawn in text); a line like ```x``` is none
+FENCE = re.compile(r"^ {0,3}(`{3,})([^`\n]*)$", re.M)
 TOOL_BLOCK = re.compile(r"<tool_call>[\s\S]*?</tool_call>")
 
 
@@ -94,7 +96,7 @@ ASKS_FOR = {
     "Kana": r"japanese|hiragana|katakana|日本語|日语",
     "Hangul": r"korean|hangul|한국어",
     "Cyrillic": r"russian|ukrainian|bulgarian|serbian|kazakh|belarusian|cyrillic|русск|по-русски",
-    "Greek": r"greek", "Arabic": r"arabic|persian|farsi|urdu", "Hebrew": r"hebrew|yiddish",
+    "Arabic": r"arabic|persian|farsi|urdu", "Hebrew": r"hebrew|yiddish",
     "Devanagari": r"hindi|sanskrit|marathi|nepali|devanagari", "Thai": r"\bthai\b",
 }
 ASKS_FOR_RE = {name: re.compile(words, re.I) for name, words in ASKS_FOR.items()}
@@ -121,25 +123,32 @@ def language_drift(rec: dict, min_letters: int) -> str | None:
     if content.isascii() or not NON_LATIN.search(content):
         return None
     allowed = _prompt_scripts(rec)
-    if allowed is None:
+    if allowed is None or not (foreign := _letters_outside(frozenset(allowed))).search(content):
         return None
     for paragraph in PARAGRAPH.split(unquoted(content)):
-        if not NON_LATIN.search(paragraph):
+        found = foreign.findall(paragraph)
+        if len(found) < min_letters:
             continue
+        name, n = max(((name, sum(1 for c in found if SCRIPT_LETTER[name].match(c))) for name in SCRIPTS),
+                      key=lambda hit: hit[1])
         letters = len(LETTER.findall(paragraph))
-        for name in SCRIPTS.keys() - allowed:
-            n = len(SCRIPT_LETTER[name].findall(paragraph))
-            if n >= min_letters and 2 * n > letters:
-                return f"a {name} paragraph ({n} of its {letters} letters) in the answer to a prompt in another " \
-                       f"script: {paragraph.strip()[:60]!r}"
+        if n >= min_letters and 2 * n > letters:
+            return f"a {name} paragraph ({n} of its {letters} letters) in the answer to a prompt in another " \
+                   f"script: {paragraph.strip()[:60]!r}"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _letters_outside(allowed: frozenset[str]) -> re.Pattern:
+    """One pattern for the letters of every script but ``allowed``: one scan of a paragraph."""
+    return re.compile(f"[{''.join(chars for name, chars in SCRIPTS.items() if name not in allowed)}]")
 
 
 # How a reasoning model's thinking opens, when the answer (after </think>) opens the same way.
 REASONING_OPENER = re.compile(
     r"\s*(?:(?:okay|ok|alright|all right|hmm+|so|well)[,.!]?\s+(?:so[, ]\s*)?"
     r"(?:the user(?:'s)? (?:is asking|asks|asked|wants|wrote|said|mentioned|needs|question)|let me (?:think|figure|"
-    r"see\b|try|re-?(?:read|check|examine|think|consider))|let's see\b|i need to|we need to|i should|i'll start by "
+    r"see\b|re-?(?:read|check|examine|think|consider))|let's see\b|i need to|we need to|i should|i'll start by "
     r"(?:thinking|figuring)|first,? i (?:need|should|will)|wait\b)"
     r"|let me (?:think|figure out|work (?:this|it) out|re-?(?:read|examine|think|consider))\b|let's think\b"
     r"|hmm+[,.!]|wait[,.!]\s|the user (?:is asking|asks|asked|wants|wrote)\b"
@@ -200,7 +209,7 @@ def truncated_stop(rec: dict) -> str | None:
     if cap is not None and rec["usage"]["completion_tokens"] >= cap:
         return f"finish_reason stop at {rec['usage']['completion_tokens']} completion tokens, the max_tokens {cap}"
     content = rec.get("content") or ""
-    if "```" not in content and "~~~" not in content:
+    if "```" not in content:
         return None
     if "<tool_call>" in content:
         content = TOOL_BLOCK.sub(" ", content)
@@ -209,7 +218,7 @@ def truncated_stop(rec: dict) -> str | None:
         fence, info = m.groups()
         if opened is None:
             opened = fence
-        elif fence[0] == opened[0] and len(fence) >= len(opened) and not info.strip():
+        elif len(fence) >= len(opened) and not info.strip():
             opened = None
     if opened is None:
         return None

@@ -35,9 +35,10 @@ CONTROL = r"\x00-\x08\x0b\x0c\x0e-\x1f\x7f"
 BAD_CHAR = re.compile(f"[\ufffd\ud800-\udfff{CONTROL}]")
 
 # Letters of the scripts language_drift tells apart. Latin is none of them: code, names and terms
-# are Latin in any language, and an English answer to a Chinese prompt is common and often wanted.
+# are Latin in any language, and an English answer to a Chinese prompt is common and often wanted;
+# nor Greek, the letters of formulas.
 SCRIPTS = {"Han": "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff", "Kana": "\u3040-\u30ff", "Hangul": "\uac00-\ud7af",
-           "Cyrillic": "\u0400-\u04ff", "Greek": "\u0370-\u03ff", "Arabic": "\u0600-\u06ff", "Hebrew": "\u0590-\u05ff",
+           "Cyrillic": "\u0400-\u04ff", "Arabic": "\u0600-\u06ff", "Hebrew": "\u0590-\u05ff",
            "Devanagari": "\u0900-\u097f", "Thai": "\u0e00-\u0e7f"}
 NON_LATIN = re.compile(f"[{''.join(SCRIPTS.values())}]")
 

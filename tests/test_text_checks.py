@@ -166,6 +166,9 @@ def test_an_answer_drifting_into_another_script_is_caught(content, prompt):
     # a short term quoted in an English paragraph
     ("In Mandarin, 'thank you' is 谢谢 (xièxie), and a polite reply is 不客气 (bú kèqi), meaning 'you are welcome'.",
      "How do people say thanks in Beijing?"),
+    # Greek letters of a formula: not a language
+    ("The wave is y = A·sin(ωt − φ):\n\nα β γ δ ε ζ η θ ι κ λ μ ν ξ ο π ρ σ τ υ φ χ ψ ω are the symbols used below.",
+     "Explain the wave equation."),
     # Chinese text inside code: a test fixture, not the answer's language
     ("```python\nassert greet('zh') == '你好，世界！欢迎来到我们的网站，希望你在这里度过愉快的时光。'\n```",
      "Write a test for greet()."),
@@ -243,6 +246,7 @@ def test_a_stop_that_was_a_cut_is_caught(rec):
     # an odd number of ``` lines, inside a four-backtick example that is closed
     said("A fenced block in Markdown:\n\n````markdown\n```python\nprint('Paris')\n````\n\nThe outer fence is longer."),
     said("Wrap code in ``` fences; the capital of France is Paris."),  # backticks inside a line, no fence
+    said("Paris\n~~~~~~~~~~~~\nThe capital of France."),  # a tilde line drawn as a separator
 ])
 def test_a_stop_under_the_cap_or_with_closed_fences_passes(rec):
     assert "truncated_stop" not in hits(rec)[0]
