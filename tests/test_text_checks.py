@@ -224,7 +224,8 @@ def test_very_short_correct_answers_with_real_reasoning_pass(prompt, content, re
 
 def capped(rec, completion_tokens, max_tokens=64):
     return {**rec, "usage": {**rec["usage"], "completion_tokens": completion_tokens},
-            "generation": {**rec["generation"], "sampling": {**rec["generation"]["sampling"], "max_tokens": max_tokens}}}
+            "generation": {**rec["generation"],
+                           "sampling": {**rec["generation"]["sampling"], "max_tokens": max_tokens}}}
 
 
 OPEN_FENCE = "Here is the function:\n\n```python\ndef capital(country):\n    return {'France': 'Paris'}.get(countr"
