@@ -38,9 +38,11 @@ import zstandard
 
 from dflash.config import load_config
 from dflash.io import write_jsonl_zst
+from dflash.text_checks import target_special_tokens
 from dflash.validate import validate_shard
 
 ROOT = Path(__file__).resolve().parents[1]
+SPECIAL = target_special_tokens(ROOT / "data/demo/target")  # control_token_text looks for the target's
 WORDS = ("the of and to in is that for it as with was on be by this are or from at which an not have has "
          "value result function list total step first then check case number answer user so we need because "
          "compute return index error sum each order time data table query model token check line").split()
@@ -163,13 +165,13 @@ def read_floor(path: Path, cut: bool) -> tuple[int, int]:
 def peak_rss_mb(shards: list[Path], cfg_path: Path) -> float:
     """Peak RSS of a child that validates ``shards``."""
     code = ("import sys, resource, json; from pathlib import Path; from dflash.validate import validate_shard\n"
-            "cfg = json.loads(sys.argv[1]); out = Path(sys.argv[2])\n"
-            "for p in sys.argv[3:]:\n"
-            "    validate_shard(p, out / 'v.zst', out / 'r.zst', out / 'q.json', cfg)\n"
+            "cfg, special = json.loads(sys.argv[1]), json.loads(sys.argv[2]); out = Path(sys.argv[3])\n"
+            "for p in sys.argv[4:]:\n"
+            "    validate_shard(p, out / 'v.zst', out / 'r.zst', out / 'q.json', cfg, special_tokens=special)\n"
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
     with tempfile.TemporaryDirectory() as out:
-        run = subprocess.run([sys.executable, "-c", code, cfg_path.read_text(), out, *map(str, shards)],
-                             capture_output=True, text=True, check=True, cwd=ROOT)
+        run = subprocess.run([sys.executable, "-c", code, cfg_path.read_text(), json.dumps(SPECIAL), out,
+                              *map(str, shards)], capture_output=True, text=True, check=True, cwd=ROOT)
     return float(run.stdout.split()[-1])
 
 
@@ -199,7 +201,8 @@ def main() -> None:
                 for what in order:
                     t = time.perf_counter()
                     if what == "validate":
-                        qa = validate_shard(path, out / "v.jsonl.zst", out / "r.jsonl.zst", out / "qa.json", cfg)
+                        qa = validate_shard(path, out / "v.jsonl.zst", out / "r.jsonl.zst", out / "qa.json", cfg,
+                                            special_tokens=SPECIAL)
                     else:
                         n, b = read_floor(path, cut=what == "cut")
                     seconds[what] += time.perf_counter() - t

@@ -49,10 +49,13 @@ def _generate(cfg, a):
 
 
 def _validate(cfg, a):
+    from dflash.text_checks import target_special_tokens
     from dflash.validate import read_exclusions, validate_shard
+    from dflash.workflow import target_dir
 
     excluded = read_exclusions(a.exclude if a.exclude is not None else cfg["validate"]["exclude"])
-    validate_shard(a.completions, a.validated, a.rejected, a.qa, cfg["validate"], excluded)
+    validate_shard(a.completions, a.validated, a.rejected, a.qa, cfg["validate"], excluded,
+                   target_special_tokens(a.target or target_dir(cfg)))
 
 
 def _tokenize(cfg, a):
@@ -213,7 +216,7 @@ def _serve_command(cfg, a):
 READS_WRITES = {
     "prompts": (("target",), ("out",)), "target": ((), ("out",)),
     "generate": (("prompts", "target"), ("out", "summary")),
-    "validate": (("completions", "exclude"), ("validated", "rejected", "qa")),
+    "validate": (("completions", "exclude", "target"), ("validated", "rejected", "qa")),
     "tokenize": (("validated", "target"), ("out", "index")), "hidden": (("tokenized", "target"), ("out",)),
     "train": (("tokenized", "hidden", "target"), ("out",)), "eval": (("checkpoint", "target", "heldout"), ("out",)),
     "report": (("manifest", "qa", "gates", "checkpoint", "eval"), ("html", "json")),
@@ -302,7 +305,8 @@ def add_stages(sub, common: argparse.ArgumentParser) -> None:
           ("--summary", {"type": Path, "help": "also write the shard's summary JSON here"}))
     stage("validate", _validate, "completion shard -> validated, rejected shards + QA JSON",
           ("--completions", path), ("--validated", path), ("--rejected", path), ("--qa", path),
-          ("--exclude", {"type": Path, "nargs": "*", "help": "exclusion id files (default: the config's validate.exclude)"}))
+          ("--exclude", {"type": Path, "nargs": "*", "help": "exclusion id files (default: the config's validate.exclude)"}),
+          ("--target", {"type": Path, "help": "target model folder, for its special tokens (default: the config's)"}))
     stage("tokenize", _tokenize, "validated shard -> tokenized rows (.safetensors + .json index)",
           ("--validated", path), target, ("--out", path), ("--index", path))
     stage("hidden", _hidden, "tokenized shard -> selected target layer features",

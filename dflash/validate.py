@@ -12,25 +12,30 @@ import re
 from collections import Counter, defaultdict
 from itertools import islice
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
+from dflash.config import completed
 from dflash.io import SHARD_RE, atomic_files, iter_jsonl, json_text, naming_full_disk, with_field, zst_lines
 from dflash.loops import repetition_loop
 from dflash.records import checked_records
+from dflash.text_checks import (ShardMemory, control_token_text, duplicate_completion, language_drift, stray_think,
+                                stub_answer, thinking_in_answer, truncated_stop)
 from dflash.toolcalls import check_tool_calls
-from dflash.vocabulary import (BAD_CALL, BAD_CHAR, EXAMPLES_PER_REASON, LENGTH_BINS, STRAY_THINK, TAGS, calls_a_tool,
+from dflash.vocabulary import (BAD_CALL, BAD_CHAR, EXAMPLES_PER_REASON, LENGTH_BINS, SCRIPTS, TAGS, calls_a_tool,
                                excerpt, length_stats)
 
 log = logging.getLogger(__name__)
 
 ACTIONS = ("reject", "flag", "off")
 VALIDATE_READS = "validate reads the completions/ shards of the generate stage"
-SUBSTANCE = re.compile(r"\w+|[^\w\s]")
+# Scripts written without spaces count a character as a word: 用户问法国的首都是哪里 is not one word.
+SUBSTANCE = re.compile(f"[{SCRIPTS['Han']}{SCRIPTS['Kana']}{SCRIPTS['Thai']}]|\\w+|[^\\w\\s]")
 
 
 def substance_tokens(text: str, limit: int | None = None) -> int:
-    """Words and punctuation marks outside the tags: a tokenizer-free measure of real content,
-    counted up to ``limit`` (enough to tell trivial from not without scanning a long text)."""
+    """Words (a character, in Chinese, Japanese and Thai) and punctuation marks outside the tags: a
+    tokenizer-free measure of real content, counted up to ``limit`` (enough to tell trivial from
+    not without scanning a long text)."""
     return sum(1 for _ in islice(SUBSTANCE.finditer(TAGS.sub(" ", text)), limit))
 
 
@@ -51,7 +56,8 @@ def encoding_problem(text: str) -> str | None:
 
 
 # Each check returns a detail (truthy) when the record has the problem. ``ctx`` holds the parsed
-# parts and the config. The tool_* codes and text_after_tool_call come from check_tool_calls.
+# parts, the config and the shard's memory (``text_checks.ShardMemory``). The tool_* codes and
+# text_after_tool_call come from check_tool_calls.
 CHECKS: dict[str, Callable[[dict, dict], str | bool | None]] = {
     "abort_or_error": lambda rec, ctx: (rec["finish_reason"] in ("abort", "error") or rec.get("error"))
     and (rec.get("error") or rec["finish_reason"]),
@@ -64,18 +70,28 @@ CHECKS: dict[str, Callable[[dict, dict], str | bool | None]] = {
     < ctx["cfg"]["trivial_min_tokens"]
     and f"{n} words and marks",
     "repetition_loop": lambda rec, ctx: repetition_loop(rec.get("text") or "", **ctx["cfg"]["repetition"]),
-    "stray_think": lambda rec, ctx: STRAY_THINK.search(rec.get("content") or "") and "think tag inside the answer",
+    "stray_think": lambda rec, ctx: stray_think(rec),
     "encoding": lambda rec, ctx: encoding_problem(rec.get("text") or ""),
+    # the text checks (text_checks): what real Qwen3.6 completions get wrong besides loops and tool calls
+    "control_token_text": lambda rec, ctx: control_token_text(rec, ctx["memory"]),
+    "language_drift": lambda rec, ctx: language_drift(rec, ctx["cfg"]["drift_min_letters"]),
+    "thinking_in_answer": lambda rec, ctx: thinking_in_answer(rec),
+    "stub_answer": lambda rec, ctx: stub_answer(rec),
+    "truncated_stop": lambda rec, ctx: truncated_stop(rec),
+    "duplicate_completion": lambda rec, ctx: duplicate_completion(rec, ctx["memory"],
+                                                                  ctx["cfg"]["duplicate_min_chars"]),
     **{code: (lambda rec, ctx, code=code: ctx["tool_problems"].get(code))
        for code in (*BAD_CALL, "tool_call_in_reasoning", "text_after_tool_call")},
 }
 
 
-def judge(rec: dict, cfg: dict) -> tuple[list[str], list[str], list[dict], dict[str, str]]:
-    """(reasons that reject, flags that do not, parsed tool calls, detail per hit) for one record."""
+def judge(rec: dict, cfg: dict,
+          memory: ShardMemory | None = None) -> tuple[list[str], list[str], list[dict], dict[str, str]]:
+    """(reasons that reject, flags that do not, parsed tool calls, detail per hit) for one record;
+    ``memory`` is the shard's so far (the target's special tokens, earlier completions), else none."""
     calls, problems = check_tool_calls(rec.get("content") or "", rec.get("reasoning"), rec.get("tools"),
                                        cfg.get("tool_format", "auto"))
-    ctx = {"tool_calls": calls, "tool_problems": problems, "cfg": cfg}
+    ctx = {"tool_calls": calls, "tool_problems": problems, "cfg": cfg, "memory": memory or ShardMemory()}
     reasons, flags, details = [], [], {}
     for code, check in CHECKS.items():
         action = cfg["checks"].get(code, "reject")
@@ -157,20 +173,26 @@ def exclusions_by_shard(excluded: dict[str, str], prompts_dir: str | Path) -> tu
 
 
 def validate_shard(completions_path: Path, validated_path: Path, rejected_path: Path, qa_path: Path,
-                   cfg: dict, excluded: dict[str, str] | None = None) -> dict:
+                   cfg: dict, excluded: dict[str, str] | None = None, special_tokens: Collection[str] = ()) -> dict:
     """Judge every record of a completion shard; in == kept + rejected, always. A record whose id
     or prompt id is in ``excluded`` is rejected with reason ``excluded`` and not judged.
+    ``special_tokens`` are the target's (``text_checks.target_special_tokens``), which
+    ``control_token_text`` looks for.
 
-    Records stream through: memory holds one record plus the shard's counts and lengths."""
+    Records stream through: memory holds one record plus the shard's counts and lengths, and a
+    digest of each completion (``duplicate_completion``)."""
     unknown = set(cfg["checks"]) - set(CHECKS)
     if unknown:
         raise ValueError(f"validate.checks: unknown check(s) {sorted(unknown)}; known: {sorted(CHECKS)}")
+    # the thresholds a caller left out from the schema; a check left out stays on (reject)
+    cfg = {**completed({k: v for k, v in cfg.items() if k != "checks"}, "validate"), "checks": cfg["checks"]}
     excluded = excluded or {}
     hits: dict[str, Counter] = defaultdict(Counter)
     per_cat: dict[str, Counter] = defaultdict(Counter)
     lengths: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
     examples: dict[str, list[dict]] = defaultdict(list)
     seen: set[str] = set()  # a record twice would be trained twice
+    memory = ShardMemory(special_tokens)
     # The three outputs appear together or not at all: rejected records alone would look like a run.
     with atomic_files(validated_path, rejected_path, qa_path) as (validated_tmp, rejected_tmp, qa_tmp):
         # zstd level 1: these shards are read once more, by tokenize; level 3 would cost a third of the stage.
@@ -187,7 +209,7 @@ def validate_shard(completions_path: Path, validated_path: Path, rejected_path: 
                 if why:
                     reasons, flags, calls, details = ["excluded"], [], [], {"excluded": why}
                 else:
-                    reasons, flags, calls, details = judge(rec, cfg)
+                    reasons, flags, calls, details = judge(rec, cfg, memory)
                 per_cat[cat]["records"] += 1
                 for code in reasons + flags:
                     hits[code][cat] += 1

@@ -34,6 +34,14 @@ CONTROL = r"\x00-\x08\x0b\x0c\x0e-\x1f\x7f"
 # One pass finds all three: a replacement character, a lone surrogate (not encodable as UTF-8), a control.
 BAD_CHAR = re.compile(f"[\ufffd\ud800-\udfff{CONTROL}]")
 
+# Letters of the scripts language_drift tells apart. Latin is none of them: code, names and terms
+# are Latin in any language, and an English answer to a Chinese prompt is common and often wanted;
+# nor Greek, the letters of formulas.
+SCRIPTS = {"Han": "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff", "Kana": "\u3040-\u30ff", "Hangul": "\uac00-\ud7af",
+           "Cyrillic": "\u0400-\u04ff", "Arabic": "\u0600-\u06ff", "Hebrew": "\u0590-\u05ff",
+           "Devanagari": "\u0900-\u097f", "Thai": "\u0e00-\u0e7f"}
+NON_LATIN = re.compile(f"[{''.join(SCRIPTS.values())}]")
+
 # What a terminal acts on instead of showing: the C0 controls but tab and newline (ESC starts the
 # sequences that set the window title, write the clipboard (OSC 52) or hide text; CR overwrites a
 # line), DEL, the C1 controls (0x9b is a one-character CSI to some terminals) and the bidirectional
@@ -57,7 +65,16 @@ LENGTH_BINS = [0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 3276
 EXAMPLES_PER_REASON = 3
 WINDOW = 400  # characters of text shown around a problem
 ANCHORS = {  # where in the record a problem shows: (field, pattern); the end of the text if none
-    "stray_think": ("content", STRAY_THINK),
+    # a think tag in the reasoning but a leading one, or the last </think> (the first is the split)
+    "stray_think": ("text", re.compile(r"(?<=[\s\S])<think>|</think>(?![\s\S]*</think>)")),
+    # the text checks: the shape of a Qwen control token (the target's own are not known here), the
+    # first letter of a non-Latin script, the answer's start, the end where a cut shows, the start
+    "control_token_text": ("text", re.compile(r"<\|[A-Za-z0-9_]+\|>")),
+    "language_drift": ("content", NON_LATIN),
+    "thinking_in_answer": ("content", re.compile(r"\S")),
+    "stub_answer": ("content", re.compile(r"\S")),
+    "truncated_stop": ("text", None),
+    "duplicate_completion": ("text", re.compile("^")),
     "encoding": ("text", BAD_CHAR),
     "tool_call_in_reasoning": ("reasoning", re.compile("<tool_call>")),
     "text_after_tool_call": ("content", re.compile(r"</tool_call>(?![\s\S]*</tool_call>)")),

@@ -60,6 +60,7 @@ else:
 use rule validate as pilot_validate with:
     input:
         completions=f"{OUT}/pilot/completions.jsonl.zst",
+        target=TARGET_INPUT,  # a `with: input:` replaces the rule's inputs: its special tokens again
     output:
         validated=f"{OUT}/pilot/validated.jsonl.zst",
         rejected=f"{OUT}/pilot/rejected.jsonl.zst",

@@ -4,6 +4,8 @@ rule validate:
         # named once the prompts checkpoint is known: the excluded param reads its id index, and
         # waits for it through this input when a single shard is the target
         completions=after_prompts(f"{OUT}/completions/shard-{{shard}}.jsonl.zst"),
+        # its special tokens: control_token_text looks for them written as text
+        target=TARGET_INPUT,
     output:
         validated=f"{OUT}/validated/shard-{{shard}}.jsonl.zst",
         rejected=f"{OUT}/rejected/shard-{{shard}}.jsonl.zst",

@@ -22,14 +22,15 @@ def test_validate_twin_on_one_shard(tmp_path):
     write_jsonl_zst(tmp_path / "c.jsonl.zst", [rec])
     rc = main(["validate", "--config", str(ROOT / "config.yaml"), "--completions", str(tmp_path / "c.jsonl.zst"),
                "--validated", str(tmp_path / "v.jsonl.zst"), "--rejected", str(tmp_path / "r.jsonl.zst"),
-               "--qa", str(tmp_path / "qa.json")])
+               "--qa", str(tmp_path / "qa.json"), "--target", str(ROOT / "data/demo/target")])
     assert rc == 0
     assert read_jsonl(tmp_path / "r.jsonl.zst")[0]["qa"]["reasons"] == ["trivial"]
     assert read_json(tmp_path / "qa.json")["rejected"] == 1
     (tmp_path / "drop.jsonl").write_text('{"id": "a", "reason": "by hand"}\n')
     assert main(["validate", "--config", str(ROOT / "config.yaml"), "--completions", str(tmp_path / "c.jsonl.zst"),
                  "--validated", str(tmp_path / "v.jsonl.zst"), "--rejected", str(tmp_path / "r.jsonl.zst"),
-                 "--qa", str(tmp_path / "qa.json"), "--exclude", str(tmp_path / "drop.jsonl")]) == 0
+                 "--qa", str(tmp_path / "qa.json"), "--exclude", str(tmp_path / "drop.jsonl"),
+                 "--target", str(ROOT / "data/demo/target")]) == 0
     assert read_jsonl(tmp_path / "r.jsonl.zst")[0]["qa"]["details"] == {"excluded": "by hand"}
 
 

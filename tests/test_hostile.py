@@ -170,8 +170,8 @@ def test_a_validate_that_fails_on_a_full_disk_leaves_no_output(tmp_path):
 
     incompressible_shard(tmp_path / "c.jsonl.zst", n=30)  # ~40 KB of kept records, no rejected one
     run = on_a_small_tmpfs(f"{sys.executable} -m dflash.cli validate --config {ROOT / 'config.yaml'} --completions "
-                           f"c.jsonl.zst --validated /mnt/v.jsonl.zst --rejected /mnt/r.jsonl.zst --qa /mnt/qa.json; "
-                           f"echo rc=$?; ls -A /mnt", cwd=tmp_path)
+                           f"c.jsonl.zst --validated /mnt/v.jsonl.zst --rejected /mnt/r.jsonl.zst --qa /mnt/qa.json "
+                           f"--target {ROOT / 'data/demo/target'}; echo rc=$?; ls -A /mnt", cwd=tmp_path)
     assert "no space left on device" in run.stderr
     assert run.stdout == "rc=1\n"  # and /mnt empty: no rejected shard or QA report alone
 
@@ -343,7 +343,8 @@ def test_malformed_completions_are_named_by_file_line_and_id(tmp_path, capsys, c
     bad = {k: v for k, v in bad.items() if not (k in change and v is None)}  # None: the field left out
     write_jsonl_zst(tmp_path / "c.jsonl.zst", [good, bad])
     rc, err = cli(capsys, "validate", "--config", ROOT / "config.yaml", "--completions", tmp_path / "c.jsonl.zst",
-                  "--validated", tmp_path / "v.jsonl.zst", "--rejected", tmp_path / "r.jsonl.zst", "--qa", tmp_path / "q")
+                  "--validated", tmp_path / "v.jsonl.zst", "--rejected", tmp_path / "r.jsonl.zst", "--qa", tmp_path / "q",
+                  "--target", ROOT / "data/demo/target")
     assert rc == 1 and err == [f"dflash validate: {tmp_path}/c.jsonl.zst:2: {says}; validate reads the completions/ "
                                f"shards of the generate stage"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl.zst"]
@@ -545,7 +546,8 @@ def test_a_validate_on_a_disk_already_full_names_the_file(tmp_path):
     incompressible_shard(tmp_path / "c.jsonl.zst", n=1)
     run = on_a_small_tmpfs(f"head -c 15360 /dev/urandom > /mnt/fill && {sys.executable} -m dflash.cli validate --config "
                            f"{ROOT / 'config.yaml'} --completions c.jsonl.zst --validated /mnt/v.jsonl.zst --rejected "
-                           f"/mnt/r.jsonl.zst --qa /mnt/qa.json; echo rc=$?; ls -A /mnt", cwd=tmp_path)
+                           f"/mnt/r.jsonl.zst --qa /mnt/qa.json --target {ROOT / 'data/demo/target'}; echo rc=$?; "
+                           f"ls -A /mnt", cwd=tmp_path)
     assert run.stdout == "rc=1\nfill\n"
     assert run.stderr.strip().splitlines()[-1].endswith(".jsonl.zst: no space left on device while writing it; free "
                                                         "space there (or set output_dir to a larger disk) and re-run")

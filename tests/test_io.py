@@ -36,7 +36,7 @@ def written(folder):
 
 def validate(shard, out):
     return ["validate", "--config", ROOT / "config.yaml", "--completions", shard, "--validated", out / "v.jsonl.zst",
-            "--rejected", out / "r.jsonl.zst", "--qa", out / "qa.json"]
+            "--rejected", out / "r.jsonl.zst", "--qa", out / "qa.json", "--target", ROOT / "data/demo/target"]
 
 
 def test_every_frame_carries_a_checksum(tmp_path):
@@ -118,7 +118,7 @@ def test_a_full_disk_names_the_file_being_written(tmp_path):
     shard = tmp_path / "c.jsonl.zst"
     incompressible_shard(shard, n=30)  # ~40 KB of kept records: more than the disk holds
     argv = ["validate", "--config", ROOT / "config.yaml", "--completions", shard, "--validated", "/mnt/v.jsonl.zst",
-            "--rejected", "/mnt/r.jsonl.zst", "--qa", "/mnt/qa.json"]
+            "--rejected", "/mnt/r.jsonl.zst", "--qa", "/mnt/qa.json", "--target", ROOT / "data/demo/target"]
     run = full_disk_run(tmp_path, *argv)
     assert run.returncode == 1 and run.stdout == ""
     assert run.stderr.endswith("dflash validate: /mnt/v.jsonl.zst: no space left on device while writing it; free "

@@ -2,12 +2,13 @@ import json
 
 import pytest
 
+from dflash.config import completed
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
 from dflash.toolcalls import parse_tool_calls
 from dflash.validate import CHECKS, judge, substance_tokens, validate_shard
 
-CFG = {"trivial_min_tokens": 16, "checks": {code: "reject" for code in CHECKS},
-       "repetition": {"min_repeats": 4, "min_chars": 200}, "tool_format": "auto"}
+CFG = completed({"trivial_min_tokens": 16, "checks": {code: "reject" for code in CHECKS},
+                 "repetition": {"min_repeats": 4, "min_chars": 200}, "tool_format": "auto"}, "validate")
 REASONING = "The user asks for the capital of France, which is Paris; I answer in one sentence with the city."
 
 
