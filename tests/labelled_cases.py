@@ -17,6 +17,7 @@ repeats one on purpose (its twins are judged together, the original first).
 """
 from __future__ import annotations
 
+import inspect
 import json
 import random
 import tempfile
@@ -27,6 +28,8 @@ from dflash.config import defaults
 from dflash.io import iter_jsonl, write_jsonl_zst
 from dflash.records import make_completion
 from dflash.validate import validate_shard
+
+DEMO_TARGET = Path(__file__).resolve().parents[1] / "data" / "demo" / "target"
 
 SOURCE = "labelled-i43"
 QWEN36 = "Qwen/Qwen3.6-27B"  # XML tool calls (SGLang's qwen3_coder parser)
@@ -1114,6 +1117,12 @@ def verdicts(all_cases: list, cfg: dict | None = None) -> dict[str, tuple[list[s
     one (the original first): a check may look at earlier records of the shard, and one case must
     not decide another's. A shard the stage fails on gets the reason "validate failed: <error>"."""
     cfg = cfg or defaults("validate")
+    # The special tokens of a real Qwen tokenizer (the demo target's), as the validate rule reads
+    # them from the target; code that takes none is judged without them.
+    extra = ()
+    if "special_tokens" in inspect.signature(validate_shard).parameters:
+        from dflash.text_checks import target_special_tokens
+        extra = (None, target_special_tokens(DEMO_TARGET))
     shards: dict[str, list[dict]] = defaultdict(list)
     for shape, _, _, rec in all_cases:
         shards[rec["id"].rsplit("-", 1)[0] if shape == "duplicate_completion" else rec["id"]].append(rec)
@@ -1124,7 +1133,8 @@ def verdicts(all_cases: list, cfg: dict | None = None) -> dict[str, tuple[list[s
             d.mkdir()
             write_jsonl_zst(d / "shard-00000.jsonl.zst", records)
             try:
-                validate_shard(d / "shard-00000.jsonl.zst", d / "v.jsonl.zst", d / "r.jsonl.zst", d / "qa.json", cfg)
+                validate_shard(d / "shard-00000.jsonl.zst", d / "v.jsonl.zst", d / "r.jsonl.zst", d / "qa.json", cfg,
+                               *extra)
             except Exception as e:  # noqa: BLE001 - a stage failing on a case is one of the figures
                 judged.update({rec["id"]: ([f"validate failed: {type(e).__name__}: {e}"], []) for rec in records})
                 continue
