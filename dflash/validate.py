@@ -18,8 +18,8 @@ from dflash.io import SHARD_RE, atomic_files, iter_jsonl, json_text, naming_full
 from dflash.loops import repetition_loop
 from dflash.records import checked_records
 from dflash.toolcalls import check_tool_calls
-from dflash.vocabulary import (BAD_CALL, BAD_CHAR, EXAMPLES_PER_REASON, LENGTH_BINS, STRAY_THINK, TAGS, calls_a_tool,
-                               excerpt, length_stats)
+from dflash.vocabulary import (BAD_CALL, BAD_CHAR, EXAMPLES_PER_REASON, LENGTH_BINS, STRAY_THINK, TAGS, TOOL_NOTES,
+                               calls_a_tool, excerpt, length_stats)
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,8 @@ def encoding_problem(text: str) -> str | None:
 
 
 # Each check returns a detail (truthy) when the record has the problem. ``ctx`` holds the parsed
-# parts and the config. The tool_* codes and text_after_tool_call come from check_tool_calls.
+# parts and the config. The tool_* codes and text_after_tool_call come from check_tool_calls, one
+# parse of the answer as the serving engine's parser reads it (validate.tool_format).
 CHECKS: dict[str, Callable[[dict, dict], str | bool | None]] = {
     "abort_or_error": lambda rec, ctx: (rec["finish_reason"] in ("abort", "error") or rec.get("error"))
     and (rec.get("error") or rec["finish_reason"]),
@@ -66,15 +67,14 @@ CHECKS: dict[str, Callable[[dict, dict], str | bool | None]] = {
     "repetition_loop": lambda rec, ctx: repetition_loop(rec.get("text") or "", **ctx["cfg"]["repetition"]),
     "stray_think": lambda rec, ctx: STRAY_THINK.search(rec.get("content") or "") and "think tag inside the answer",
     "encoding": lambda rec, ctx: encoding_problem(rec.get("text") or ""),
-    **{code: (lambda rec, ctx, code=code: ctx["tool_problems"].get(code))
-       for code in (*BAD_CALL, "tool_call_in_reasoning", "text_after_tool_call")},
+    **{code: (lambda rec, ctx, code=code: ctx["tool_problems"].get(code)) for code in (*BAD_CALL, *TOOL_NOTES)},
 }
 
 
 def judge(rec: dict, cfg: dict) -> tuple[list[str], list[str], list[dict], dict[str, str]]:
     """(reasons that reject, flags that do not, parsed tool calls, detail per hit) for one record."""
     calls, problems = check_tool_calls(rec.get("content") or "", rec.get("reasoning"), rec.get("tools"),
-                                       cfg.get("tool_format", "auto"))
+                                       cfg["tool_format"])
     ctx = {"tool_calls": calls, "tool_problems": problems, "cfg": cfg}
     reasons, flags, details = [], [], {}
     for code, check in CHECKS.items():
