@@ -482,7 +482,7 @@ def _xml_calls(content: str, offered: dict, problems: dict) -> list[dict]:
             problems.setdefault("tool_bad_xml", f"not one <function=NAME>...</function> in its block: {body[:80]!r}")
         for function in functions:
             text = function.group(1) or function.group(2) or ""
-            if function.group(1) is None:
+            if function.group(1) is None and not whole:  # an unclosed call: tool_unclosed says it
                 problems.setdefault("tool_bad_xml", f"<function= without </function>: {text[:80]!r}")
             if ">" not in text:
                 problems.setdefault("tool_bad_xml", f"<function= without >: {text[:80]!r}")
