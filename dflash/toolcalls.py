@@ -282,7 +282,16 @@ def _follow_local_refs(schema) -> None:
 
 def _schema(parameters):
     """(validator, None) for a tool's ``parameters`` once normalised, else (None, why it cannot be used)."""
-    schema, problem = normalised_parameters(parameters)
+    if deeper_than(parameters):
+        return None, f"nested more than {MAX_JSON_DEPTH} levels deep"
+    return _normalised_checked(json.dumps(parameters, sort_keys=True))
+
+
+@lru_cache(maxsize=256)
+def _normalised_checked(parameters_json: str):
+    """``_schema`` of one tool's parameters, once per distinct schema: a shard offers a few tools to
+    thousands of records."""
+    schema, problem = normalised_parameters(json.loads(parameters_json))
     if problem:
         return None, problem
     return _checked(json.dumps(schema, sort_keys=True))
@@ -298,13 +307,19 @@ def schema_problem(parameters) -> str | None:
 # ---- typing XML values as SGLang's Qwen3CoderDetector does ----------------------------------------
 
 def engine_properties(parameters) -> dict:
+    """What SGLang types a call's XML values by (``_engine_properties``), once per distinct schema."""
+    if not isinstance(parameters, dict) or deeper_than(parameters):
+        return {}
+    return _engine_properties(json.dumps(parameters, sort_keys=True))
+
+
+@lru_cache(maxsize=256)
+def _engine_properties(parameters_json: str) -> dict:
     """What SGLang types a call's XML values by: the tool's top-level ``properties`` (those of its
     ``anyOf``/``oneOf``/``allOf`` branches when the top declares none) or, without any, the
     ``parameters`` object itself (so xlam's bare map types its values), after its type aliases."""
-    if not isinstance(parameters, dict):
-        return {}
     try:
-        schema = _retyped(parameters, lambda t: {"type": engine_type(t)})
+        schema = _retyped(json.loads(parameters_json), lambda t: {"type": engine_type(t)})
     except RecursionError:
         return {}
     properties = _top_properties(schema)
@@ -623,13 +638,15 @@ def check_tool_calls(content: str, reasoning: str | None, tools: list | None,
     problems: dict[str, str] = {}
     if reasoning and "<tool_call>" in reasoning:
         problems["tool_call_in_reasoning"] = "<tool_call> inside the reasoning"
-    prose = CODE.sub(" ", content) if "`" in content else content
-    if hit := RESPONSE.search(prose):
-        problems["tool_response_invented"] = f"{hit.group()} written by the model: {prose[hit.start():][:80]!r}"
     offered = {t["function"]["name"]: t["function"] for t in tools or []}
-    if not offered:
-        if hit := CALL_MARKUP.search(prose):
+    markup_without_tools = not offered and CALL_MARKUP.search(content)
+    if "tool_response>" in content or markup_without_tools:  # most answers hold neither: no second pass
+        prose = CODE.sub(" ", content) if "`" in content else content
+        if hit := RESPONSE.search(prose):
+            problems["tool_response_invented"] = f"{hit.group()} written by the model: {prose[hit.start():][:80]!r}"
+        if markup_without_tools and (hit := CALL_MARKUP.search(prose)):
             problems["tool_without_tools"] = f"{hit.group()} but no tools were offered: {prose[hit.start():][:80]!r}"
+    if not offered:
         return [], problems
     if fmt == "auto":
         hermes = AUTO_JSON.search(content) or ("<tool_call>" not in content and '"name"' in content)
