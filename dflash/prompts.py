@@ -200,8 +200,8 @@ def shape_problem(rec: dict) -> tuple[str, str] | None:
     record is dropped and counted: ``non_text_content`` (an image or audio part a text model never
     sees: the prompt would lose it), ``null_content`` (a turn with no text and no tool calls),
     ``orphan_tool_result`` (a tool result no call asked for), ``bad_tool_name`` (a name the engines
-    refuse), ``bad_tool_schema`` (a tool's parameters schema jsonschema cannot use: validate could
-    not check a call against it), ``non_standard_json`` (NaN or Infinity, which JSON has no words for)."""
+    refuse), ``non_standard_json`` (NaN or Infinity, which JSON has no words for). A tool schema
+    with no clear meaning is no reason to drop (``schema_unknown``)."""
     turns = rec["messages"] + [r for step in rec["meta"].get("replay", []) for r in step["results"]]
     for n, m in enumerate(rec["messages"]):
         content = m.get("content")
@@ -220,13 +220,21 @@ def shape_problem(rec: dict) -> tuple[str, str] | None:
     for name, where in names:
         if not isinstance(name, str) or not TOOL_NAME.match(name):
             return "bad_tool_name", f"{where} names the tool {name!r} (letters, digits, _ . - only, at most 64)"
-    for tool in rec["tools"] or []:
-        if problem := schema_problem(tool["function"].get("parameters") or {}):
-            return "bad_tool_schema", f"the parameters schema of {tool['function']['name']} is unusable: {problem}"
     try:
         json.dumps(rec, allow_nan=False)
     except ValueError:
         return "non_standard_json", "a number is NaN or Infinity (in a tool schema or arguments)"
+    return None
+
+
+def schema_unknown(rec: dict) -> str | None:
+    """Why a tool's parameters schema has no clear meaning even normalised (an unknown type name,
+    a $ref that resolves nowhere), or None. The prompt is kept as written, flagged
+    ``tool_schema_unknown``: the model is served the tools as they are, and validate leaves the
+    arguments of a call against that tool unchecked."""
+    for tool in rec["tools"] or []:
+        if problem := schema_problem(tool["function"].get("parameters")):
+            return f"the parameters schema of {tool['function']['name']} has no clear meaning: {problem}"
     return None
 
 
@@ -487,6 +495,11 @@ def _read_sources(sources: list[dict], checks: PromptChecks | None, kept: _Kept,
                 screened[rec["source"]]["dropped"][shape[0]] += 1
                 log.warning("prompt %s (%s:%d): %s: %s", rec["id"], rec["source"], rec["meta"]["index"] + 1, *shape)
                 continue
+            if unknown := schema_unknown(rec):
+                screened[rec["source"]]["flagged"]["tool_schema_unknown"] += 1
+                rec["meta"]["flags"] = [*rec["meta"].get("flags", []), "tool_schema_unknown"]
+                log.warning("prompt %s (%s:%d): tool_schema_unknown: %s (kept, flagged)", rec["id"], rec["source"],
+                            rec["meta"]["index"] + 1, unknown)
             batch.append(rec)
             if len(batch) == SCREEN_BATCH:
                 screen_batch()

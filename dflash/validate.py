@@ -21,8 +21,8 @@ from dflash.records import checked_records
 from dflash.text_checks import (ShardMemory, control_token_text, duplicate_completion, language_drift, stray_think,
                                 stub_answer, thinking_in_answer, truncated_stop)
 from dflash.toolcalls import check_tool_calls
-from dflash.vocabulary import (BAD_CALL, BAD_CHAR, EXAMPLES_PER_REASON, LENGTH_BINS, SCRIPTS, TAGS, calls_a_tool,
-                               excerpt, length_stats)
+from dflash.vocabulary import (BAD_CALL, BAD_CHAR, EXAMPLES_PER_REASON, LENGTH_BINS, SCRIPTS, TAGS, TOOL_NOTES,
+                               calls_a_tool, excerpt, length_stats)
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,8 @@ def encoding_problem(text: str) -> str | None:
 
 # Each check returns a detail (truthy) when the record has the problem. ``ctx`` holds the parsed
 # parts, the config and the shard's memory (``text_checks.ShardMemory``). The tool_* codes and
-# text_after_tool_call come from check_tool_calls.
+# text_after_tool_call come from check_tool_calls, one parse of the answer as the serving engine's
+# parser reads it (validate.tool_format).
 CHECKS: dict[str, Callable[[dict, dict], str | bool | None]] = {
     "abort_or_error": lambda rec, ctx: (rec["finish_reason"] in ("abort", "error") or rec.get("error"))
     and (rec.get("error") or rec["finish_reason"]),
@@ -80,8 +81,7 @@ CHECKS: dict[str, Callable[[dict, dict], str | bool | None]] = {
     "truncated_stop": lambda rec, ctx: truncated_stop(rec),
     "duplicate_completion": lambda rec, ctx: duplicate_completion(rec, ctx["memory"],
                                                                   ctx["cfg"]["duplicate_min_chars"]),
-    **{code: (lambda rec, ctx, code=code: ctx["tool_problems"].get(code))
-       for code in (*BAD_CALL, "tool_call_in_reasoning", "text_after_tool_call")},
+    **{code: (lambda rec, ctx, code=code: ctx["tool_problems"].get(code)) for code in (*BAD_CALL, *TOOL_NOTES)},
 }
 
 
@@ -90,7 +90,7 @@ def judge(rec: dict, cfg: dict,
     """(reasons that reject, flags that do not, parsed tool calls, detail per hit) for one record;
     ``memory`` is the shard's so far (the target's special tokens, earlier completions), else none."""
     calls, problems = check_tool_calls(rec.get("content") or "", rec.get("reasoning"), rec.get("tools"),
-                                       cfg.get("tool_format", "auto"))
+                                       cfg["tool_format"])
     ctx = {"tool_calls": calls, "tool_problems": problems, "cfg": cfg, "memory": memory or ShardMemory()}
     reasons, flags, details = [], [], {}
     for code, check in CHECKS.items():

@@ -17,9 +17,11 @@ SPLITS = ("train", "heldout")
 TOOL_CATEGORY = "tool"  # the category whose kept records should call tools (gates.min_tool_call_share)
 
 # Problems that make a parsed call unusable as a training example of calling a tool (the other
-# tool codes say where a call sits, not whether it is one).
+# tool codes say where a call sits, or that its arguments went unchecked, not whether it is one).
 BAD_CALL = ("tool_unclosed", "tool_bad_json", "tool_bad_xml", "tool_unknown_name", "tool_args_schema",
-            "tool_missing_required", "tool_without_tools", "tool_bad_schema")
+            "tool_missing_required", "tool_without_tools", "tool_duplicate_call", "tool_call_unparsed")
+# The other tool-call codes (dflash/toolcalls.py), which validate's CHECKS hold with BAD_CALL's.
+TOOL_NOTES = ("tool_call_in_reasoning", "text_after_tool_call", "tool_schema_unknown", "tool_response_invented")
 
 
 def calls_a_tool(qa: dict) -> bool:
@@ -82,6 +84,9 @@ ANCHORS = {  # where in the record a problem shows: (field, pattern); the end of
     "empty_answer": ("text", re.compile("^")),
     "empty_reasoning": ("text", re.compile("^")),
     **{code: ("content", re.compile("<tool_call>|</tool_call>|<function=|<parameter=")) for code in BAD_CALL},
+    "tool_call_unparsed": ("content", re.compile("<tool_call>|```")),
+    "tool_schema_unknown": ("content", re.compile("<tool_call>")),
+    "tool_response_invented": ("content", re.compile("</?tool_response>")),
 }
 
 

@@ -488,15 +488,20 @@ def test_prompts_a_text_model_would_misread_are_dropped_and_counted(tmp_path, ta
 
 # ---- issue 42: hostile data, flaky disks ---------------------------------------------------------
 
-def test_prompts_drop_tool_schemas_jsonschema_cannot_use(tmp_path, caplog):
+def test_prompts_keep_and_flag_tool_schemas_with_no_clear_meaning(tmp_path, caplog):
     from tests.test_validate import UNUSABLE_SCHEMAS, tool
 
-    unusable = [{**ask("Weather in Paris?"), "tools": [tool(schema)]} for schema in UNUSABLE_SCHEMAS]
+    unusable = [{**ask(f"Weather in Paris? ({n})"), "tools": [tool(schema)]} for n, schema in enumerate(UNUSABLE_SCHEMAS)]
     manifest = build_prompts([source(tmp_path, [*unusable, ask("Hello")])], tmp_path / "p", 10)
-    assert manifest["sources"]["in"]["kept"] == 1
-    assert manifest["sources"]["in"]["dropped"] == {"bad_tool_schema": len(UNUSABLE_SCHEMAS)}
-    assert "bad_tool_schema: the parameters schema of get_weather is unusable: a $ref loop that never reaches a " \
-           "value" in caplog.text
+    assert manifest["sources"]["in"]["kept"] == 1 + len(UNUSABLE_SCHEMAS)
+    assert manifest["sources"]["in"]["dropped"] == {}
+    assert manifest["sources"]["in"]["flagged"] == {"tool_schema_unknown": len(UNUSABLE_SCHEMAS)}
+    kept = [r for path in sorted((tmp_path / "p").glob("shard-*")) for r in read_jsonl(path)]
+    flagged = [r for r in kept if r["meta"].get("flags") == ["tool_schema_unknown"]]
+    as_written = sorted(json.dumps([tool(s)], sort_keys=True) for s in UNUSABLE_SCHEMAS)  # as the data set wrote them
+    assert sorted(json.dumps(r["tools"], sort_keys=True) for r in flagged) == as_written
+    assert "tool_schema_unknown: the parameters schema of get_weather has no clear meaning: a $ref loop that never " \
+           "reaches a value (kept, flagged)" in caplog.text
 
 
 def nested(depth: int) -> str:

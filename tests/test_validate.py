@@ -136,9 +136,9 @@ def test_tool_calls_are_parsed_and_typed_in_both_formats():
     assert reasons == [] and calls == [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}]
     # a string-typed parameter stays a string even when it looks like JSON
     assert judge(answer(xml(city="1234")), CFG)[2][0]["arguments"] == {"city": "1234"}
-    # with the target's format set, the other format is bad
-    assert "tool_bad_xml" in judge(hermes, {**CFG, "tool_format": "xml"})[0]
-    assert "tool_bad_json" in judge(typed, {**CFG, "tool_format": "json"})[0]
+    # with the target's format set, a call in the other format is one its parser does not read
+    assert judge(hermes, {**CFG, "tool_format": "xml"})[0] == ["tool_call_unparsed"]
+    assert judge(typed, {**CFG, "tool_format": "json"})[0] == ["tool_call_unparsed"]
 
 
 def test_flag_and_off_actions():
@@ -319,16 +319,18 @@ UNUSABLE_SCHEMAS = [
 
 
 @pytest.mark.parametrize("parameters", UNUSABLE_SCHEMAS)
-def test_a_schema_jsonschema_cannot_use_rejects_its_record_not_the_shard(tmp_path, parameters):
+def test_a_schema_with_no_clear_meaning_flags_its_record_not_the_shard(tmp_path, parameters):
     bad = {**answer(xml(city="Paris"), tools=[tool(parameters)]), "id": "bad"}
     write_jsonl_zst(tmp_path / "c.jsonl.zst", [GOOD, bad])
+    cfg = {**CFG, "checks": {**CFG["checks"], "tool_schema_unknown": "flag"}}
     rep = validate_shard(tmp_path / "c.jsonl.zst", tmp_path / "v.jsonl.zst", tmp_path / "r.jsonl.zst",
-                         tmp_path / "qa.json", CFG)
-    [rejected] = read_jsonl(tmp_path / "r.jsonl.zst")
-    assert rep["kept"] == 1 and rejected["id"] == "bad" and rejected["qa"]["reasons"] == ["tool_bad_schema"]
-    assert rejected["qa"]["details"]["tool_bad_schema"].startswith("get_weather: the offered parameters schema is "
-                                                                   "unusable: ")
-    assert rep["examples"]["tool_bad_schema"][0]["id"] == "bad"
+                         tmp_path / "qa.json", cfg)
+    flagged = {r["id"]: r["qa"] for r in read_jsonl(tmp_path / "v.jsonl.zst")}["bad"]
+    assert rep["kept"] == 2 and flagged["flags"] == ["tool_schema_unknown"]
+    assert flagged["details"]["tool_schema_unknown"].startswith("get_weather: the offered parameters schema has no "
+                                                                "clear meaning: ")
+    assert flagged["details"]["tool_schema_unknown"].endswith("; arguments not checked")
+    assert rep["examples"]["tool_schema_unknown"][0]["id"] == "bad"
 
 
 def test_a_remote_ref_in_a_tool_schema_is_never_fetched(tmp_path):
@@ -359,6 +361,7 @@ def test_a_remote_ref_in_a_tool_schema_is_never_fetched(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
-    assert asked == [] and reasons == ["tool_bad_schema"]
-    assert details["tool_bad_schema"] == (f"get_weather: the offered parameters schema is unusable: $ref '{url}' does "
-                                          f"not resolve inside the schema (none is fetched)")
+    assert asked == [] and reasons == ["tool_schema_unknown"]
+    assert details["tool_schema_unknown"] == (f"get_weather: the offered parameters schema has no clear meaning: $ref "
+                                              f"'{url}' does not resolve inside the schema (none is fetched); arguments "
+                                              f"not checked")

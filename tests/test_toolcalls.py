@@ -1,0 +1,217 @@
+"""Tool calls read as the serving engine reads them, and tool schemas as data sets write them.
+
+The labelled cases below (good and bad twins of every shape seen in real Qwen3.6 data, each schema
+dialect, typing edge cases) say which tool codes each must get; ``test_our_parse_is_sglangs`` runs
+SGLang 0.5.23's own parsers (``tests/sglang_oracle.py``) on all of them and asks for the same calls,
+name and typed arguments, case by case."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dflash.toolcalls import check_tool_calls, normalised_parameters, schema_problem
+from dflash.validate import judge
+from tests.test_validate import CFG, answer
+
+
+def tool(name, parameters):
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+WEATHER = tool("get_weather", {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+    "hours": {"type": "array", "items": {"type": "integer"}}, "ratio": {"type": "number"}}, "required": ["city"]})
+WRITE = tool("write_file", {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+                            "required": ["path", "content"]})
+# Schema dialects as real tool sets write them.
+DIALECTS = {
+    "pydantic": {"type": "object", "properties": {"zip": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                                                  "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}},
+    "mixed": {"type": "object", "properties": {"zip": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+                                               "n": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}},
+    "untyped": {"type": "object", "properties": {"zip": {"description": "a postcode"}, "n": {}}},
+    "xlam": {"zip": {"type": "str", "description": "a postcode"}, "n": {"type": "int, optional", "default": 1}},
+    "xlam_wrapped": {"type": "dict", "properties": {"zip": {"type": "str"}, "n": {"type": "List[int]"}},
+                     "required": ["zip"]},
+    "ref": {"type": "object", "properties": {"zip": {"$ref": "#/$defs/Zip"}, "n": {"$ref": "#/$defs/N"}},
+            "$defs": {"Zip": {"type": "string"}, "N": {"type": "integer"}}},
+    "enum": {"type": "object", "properties": {"zip": {"enum": ["75001", "94103"]}, "n": {"enum": [1, 2, 3]}}},
+    "typelist": {"type": "object", "properties": {"zip": {"type": ["string", "null"]}, "n": {"type": ["integer", "null"]}}},
+    "db": {"type": "object", "properties": {"zip": {"type": "varchar(10)"}, "n": {"type": "int32"}}},
+    "python": {"type": "object", "properties": {"zip": {"type": "Optional[str]"}, "n": {"type": "float, optional"}}},
+}
+
+
+def xml_call(name, params, close_params=True):
+    end = "\n</parameter>\n" if close_params else "\n"
+    body = "".join(f"<parameter={k}>\n{v}{end}" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def hermes(name, arguments, raw=None):
+    return f"<tool_call>\n{raw or json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>"
+
+
+XML_FILE = '<config>\n  <param name="x">1</param>\n</config>'
+XML_FILE_CUT = '<config>\n  <parameter name="x">1</parameter>\n</config>'  # a literal </parameter> inside the value
+
+# (id, content, tools, format, the tool codes it must get, why we differ from SGLang on purpose or None)
+SHAPES = [
+    ("xml-good", xml_call("get_weather", {"city": "Paris", "days": 3}), [WEATHER], "xml", set(), None),
+    ("xml-parallel", xml_call("get_weather", {"city": "Paris"}) + "\n" + xml_call("get_weather", {"city": "Lyon"}),
+     [WEATHER], "xml", set(), None),
+    ("xml-duplicate", xml_call("get_weather", {"city": "Paris"}) + "\n" + xml_call("get_weather", {"city": "Paris"}),
+     [WEATHER], "xml", {"tool_duplicate_call"}, None),
+    ("xml-value-with-xml", xml_call("write_file", {"path": "a.xml", "content": XML_FILE}), [WRITE], "xml", set(), None),
+    ("xml-value-cut", xml_call("write_file", {"path": "a.xml", "content": XML_FILE_CUT}), [WRITE], "xml",
+     {"tool_bad_xml"}, None),
+    ("xml-name-space", xml_call("get_weather ", {"city": "Paris"}), [WEATHER], "xml", {"tool_unknown_name"}, None),
+    ("xml-param-twice", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=city>"
+     "\nLyon\n</parameter>\n</function>\n</tool_call>", [WEATHER], "xml", {"tool_bad_xml"}, None),
+    ("xml-two-params", xml_call("get_weather", {"city": "Lyon", "days": 2}), [WEATHER], "xml", set(), None),
+    ("xml-hermes-from-qwen36", hermes("get_weather", {"city": "Paris"}), [WEATHER], "xml", {"tool_call_unparsed"}, None),
+    ("xml-fenced-call", 'I will call it:\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
+     [WEATHER], "xml", {"tool_call_unparsed"}, None),
+    ("xml-fenced-config", 'Use this package.json:\n```json\n{"name": "my-app", "version": "1.0.0"}\n```', [WEATHER],
+     "xml", set(), None),
+    ("xml-response-invented", xml_call("get_weather", {"city": "Paris"}) + "\n<tool_response>\n{\"temp\": 21}\n"
+     "</tool_response>\nIt is 21 degrees.", [WEATHER], "xml", {"tool_response_invented"}, None),
+    ("no-tools-quoted", "A call looks like this:\n```\n<tool_call>\n<function=NAME>\n<parameter=ARG>\nvalue\n"
+     "</parameter>\n</function>\n</tool_call>\n```\nand the result comes back in `<tool_response>`.", None, "xml",
+     set(), None),
+    ("no-tools-call", xml_call("get_weather", {"city": "Paris"}), None, "xml", {"tool_without_tools"}, None),
+    ("xml-unclosed", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n", [WEATHER], "xml",
+     {"tool_unclosed"}, None),
+    ("xml-no-closing-parameter", xml_call("get_weather", {"city": "Paris", "days": 2}, close_params=False), [WEATHER],
+     "xml", {"tool_bad_xml"}, None),
+    ("xml-unicode", xml_call("get_weather", {"city": "Zürich 東京 🌧"}), [WEATHER], "xml", set(), None),
+    ("xml-bad-int", xml_call("get_weather", {"city": "Paris", "days": "three"}), [WEATHER], "xml",
+     {"tool_args_schema"}, None),
+    ("xml-bad-bool", xml_call("get_weather", {"city": "Paris", "metric": "yes"}), [WEATHER], "xml",
+     {"tool_args_schema"}, None),
+    ("xml-null", xml_call("get_weather", {"city": "null"}), [WEATHER], "xml", {"tool_args_schema"}, None),
+    ("xml-missing-required", xml_call("get_weather", {"days": 2}), [WEATHER], "xml", {"tool_missing_required"}, None),
+    ("xml-prose-then-call", "Let me check.\n\n" + xml_call("get_weather", {"city": "Paris"}), [WEATHER], "xml",
+     set(), None),
+    ("json-good", hermes("get_weather", {"city": "Paris", "days": 2}), [WEATHER], "json", set(), None),
+    ("json-parallel", hermes("get_weather", {"city": "Paris"}) + "\n" + hermes("get_weather", {"city": "Lyon"}),
+     [WEATHER], "json", set(), None),
+    ("json-duplicate", hermes("get_weather", {"city": "Paris"}) + "\n" + hermes("get_weather", {"city": "Paris"}),
+     [WEATHER], "json", {"tool_duplicate_call"}, None),
+    ("json-nan", hermes("", None, '{"name": "get_weather", "arguments": {"city": "Paris", "ratio": NaN}}'), [WEATHER],
+     "json", {"tool_bad_json"}, "NaN: Python's json (the engine's) takes it, JSON has no NaN"),
+    ("json-number", hermes("get_weather", {"city": "Paris", "ratio": 0.5}), [WEATHER], "json", set(), None),
+    ("json-name-space", hermes("get_weather ", {"city": "Paris"}), [WEATHER], "json", {"tool_unknown_name"}, None),
+    ("json-xml-from-qwen3", xml_call("get_weather", {"city": "Paris"}), [WEATHER], "json", {"tool_call_unparsed"},
+     None),
+    ("json-no-newline", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>', [WEATHER],
+     "json", {"tool_bad_json"}, None),
+    ("json-broken", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>', [WEATHER],
+     "json", {"tool_bad_json"}, None),
+    ("json-parameters-key", hermes("", None, '{"name": "get_weather", "parameters": {"city": "Paris"}}'), [WEATHER],
+     "json", set(), None),
+    ("json-double-encoded", hermes("", None, json.dumps({"name": "get_weather", "arguments": '{"city": "Paris"}'})),
+     [WEATHER], "json", {"tool_args_schema"}, None),
+    ("json-nested", hermes("get_weather", {"city": "Paris", "hours": [9, 12]}), [WEATHER], "json", set(), None),
+    ("json-unicode", hermes("get_weather", {"city": "Zürich 東京 🌧"}), [WEATHER], "json", set(), None),
+    ("json-response-invented", hermes("get_weather", {"city": "Paris"}) + "\n<tool_response>\n21\n</tool_response>",
+     [WEATHER], "json", {"tool_response_invented"}, None),
+    ("json-unclosed", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}', [WEATHER], "json",
+     {"tool_unclosed"}, None),
+]
+
+# Typing: every schema dialect with values that look like other types; SGLang decides what each becomes.
+VALUES = ["94103", "007", "12", "3.5", "1e3", "true", "yes", "null", "[1, 2]", "{'a': 1}", '{"a": [1, {"b": null}]}',
+          "Zürich", "-4"]
+TYPING = [(f"typing-{dialect}-{n}", xml_call("lookup", {"zip": value, "n": value}), [tool("lookup", schema)], "xml",
+           None, None) for dialect, schema in DIALECTS.items() for n, value in enumerate(VALUES)]
+CASES = SHAPES + TYPING
+TOOL_CODES = {"tool_unclosed", "tool_bad_json", "tool_bad_xml", "tool_unknown_name", "tool_args_schema",
+              "tool_missing_required", "tool_without_tools", "tool_duplicate_call", "tool_call_unparsed",
+              "tool_response_invented", "tool_schema_unknown"}
+
+
+@pytest.mark.parametrize("cid,content,tools,fmt,codes,_", SHAPES, ids=[c[0] for c in SHAPES])
+def test_each_shape_gets_its_codes_and_its_twin_none(cid, content, tools, fmt, codes, _):
+    problems = check_tool_calls(content, None, tools, fmt)[1]
+    assert set(problems) & TOOL_CODES == codes, problems
+
+
+def test_the_shapes_have_good_and_bad_twins():
+    assert len(SHAPES) >= 30 and sum(not c[4] for c in SHAPES) >= 10
+
+
+def test_our_parse_is_sglangs():
+    """SGLang 0.5.23's Qwen3CoderDetector / Qwen25Detector, the engine's own parsers, on every case:
+    the same calls, name and typed arguments, or none where it finds none."""
+    python = os.environ.get("DFLASH_SGLANG_PYTHON")
+    if not python:
+        if os.environ.get("CI") == "true":  # CI runs `make test`, which sets it: a skip there would hide the oracle
+            pytest.fail("DFLASH_SGLANG_PYTHON is unset under CI; run the tests through `make test`")
+        pytest.skip("DFLASH_SGLANG_PYTHON is unset: `make test` sets it (.venv-sglang, SGLang's parsers without torch)")
+    oracle = Path(__file__).with_name("sglang_oracle.py")
+    payload = json.dumps([{"text": c[1], "tools": c[2], "format": c[3]} for c in CASES], ensure_ascii=False)
+    out = subprocess.run([python, oracle], input=payload, capture_output=True, text=True, timeout=120, check=True)
+    theirs = json.loads(out.stdout)
+    agree, deliberate, differ = 0, [], []
+    for (cid, content, tools, fmt, _, why), served in zip(CASES, theirs):
+        ours = check_tool_calls(content, None, tools, fmt)[0]
+        if json.dumps(ours, sort_keys=True) == json.dumps(served, sort_keys=True):
+            agree += 1
+        elif why:
+            deliberate.append(cid)
+        else:
+            differ.append((cid, ours, served))
+    assert not differ, f"{len(differ)} of {len(CASES)} differ from SGLang: {differ[:5]}"
+    assert deliberate == ["json-nan"] and agree == len(CASES) - 1 and len(CASES) >= 100
+
+
+# ---- schemas as data sets write them -----------------------------------------------------------------
+
+@pytest.mark.parametrize("parameters,schema", [
+    ({"city": {"type": "str", "description": "the city"}, "days": {"type": "int, optional", "default": 1},
+      "ids": {"type": "List[int]"}, "opts": {"type": "Dict[str, Any]"}, "ratio": {"type": "float"},
+      "on": {"type": "bool"}, "label": {"type": "str, default='x'"}},
+     {"type": "object", "required": ["city", "ids", "opts", "ratio", "on"], "properties": {
+         "city": {"type": "string", "description": "the city"}, "days": {"type": "integer", "default": 1},
+         "ids": {"type": "array", "items": {"type": "integer"}}, "opts": {"type": "object"}, "ratio": {"type": "number"},
+         "on": {"type": "boolean"}, "label": {"type": "string"}}}),
+    ({"type": "object", "properties": {"q": {"type": "Optional[str]"}, "u": {"type": "Union[int, str]"}}},
+     {"type": "object", "properties": {"q": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                                       "u": {"anyOf": [{"type": "integer"}, {"type": "string"}]}}}),
+    ({"type": "object", "properties": {"zip": {"anyOf": [{"type": "string"}, {"type": "null"}]}, "x": {}}},
+     {"type": "object", "properties": {"zip": {"anyOf": [{"type": "string"}, {"type": "null"}]}, "x": {}}}),
+    (None, {"type": "object"}),
+])
+def test_schemas_are_normalised_where_their_meaning_is_clear(parameters, schema):
+    assert normalised_parameters(parameters) == (schema, None)
+    assert schema_problem(parameters) is None
+
+
+def test_an_xlam_type_behind_a_ref_no_longer_crashes_validate():
+    """An OpenAPI-style $ref into a place no JSON Schema keyword names (check_schema never looks
+    there) met jsonschema's UnknownType mid-validation: the whole shard was lost."""
+    parameters = {"type": "object", "properties": {"city": {"$ref": "#/components/schemas/City"}},
+                  "components": {"schemas": {"City": {"type": "town"}}}}
+    reasons, flags, _, details = judge(answer(xml_call("get_weather", {"city": "Paris"}), tools=[tool("get_weather",
+                                                                                                    parameters)]),
+                                       {**CFG, "checks": {**CFG["checks"], "tool_schema_unknown": "flag"}})
+    assert reasons == [] and flags == ["tool_schema_unknown"]
+    assert "type 'town' is no JSON Schema type" in details["tool_schema_unknown"]
+
+
+def test_an_xlam_tool_checks_its_calls():
+    xlam = tool("get_weather", DIALECTS["xlam"])
+    good = check_tool_calls(xml_call("get_weather", {"zip": "94103", "n": 2}), None, [xlam], "xml")
+    assert good == ([{"name": "get_weather", "arguments": {"zip": "94103", "n": 2}}], {})
+    assert set(check_tool_calls(xml_call("get_weather", {"n": 2}), None, [xlam], "xml")[1]) == {"tool_missing_required"}
+
+
+def test_nan_is_read_by_python_json_but_not_ours():
+    assert math.isnan(json.loads('{"x": NaN}')["x"])
+    assert check_tool_calls(SHAPES[[c[0] for c in SHAPES].index("json-nan")][1], None, [WEATHER], "json")[0] == []
