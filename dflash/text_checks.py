@@ -116,25 +116,65 @@ def _prompt_scripts(rec: dict) -> set[str] | None:
 
 
 def language_drift(rec: dict, min_letters: int) -> str | None:
-    """A paragraph of the answer (code left out) written mostly in a script the prompt neither
-    uses nor asks for, with ``min_letters`` letters of it at least: an English prompt answered with
-    a Chinese paragraph. Short quotes and terms inside a paragraph of the prompt's language pass."""
+    """The answer (code left out) drifts out of the prompt's language: a paragraph written mostly
+    in a script the prompt neither uses nor asks for, with ``min_letters`` letters of it at least
+    (an English prompt, a Chinese paragraph); a whole answer in such a script however short (an
+    English text to rewrite, rewritten in Chinese); or, to a prompt written in another script, an
+    answer begun in that script that goes on with a paragraph of Latin prose. Short quotes and
+    terms inside a paragraph of the prompt's language pass, and an answer wholly in Latin letters
+    (code, names, English to a Chinese prompt: common and often wanted)."""
     content = rec.get("content") or ""
     if content.isascii() or not NON_LATIN.search(content):
         return None
     allowed = _prompt_scripts(rec)
-    if allowed is None or not (foreign := _letters_outside(frozenset(allowed))).search(content):
+    if allowed is None:
         return None
-    for paragraph in PARAGRAPH.split(unquoted(content)):
-        found = foreign.findall(paragraph)
-        if len(found) < min_letters:
+    text = unquoted(content)
+    foreign = _letters_outside(frozenset(allowed))
+    if foreign.search(text):
+        for paragraph in PARAGRAPH.split(text):
+            if hit := _foreign_share(paragraph, foreign, min_letters):
+                return f"a {hit[0]} paragraph ({hit[1]} of its {hit[2]} letters) in the answer to a prompt in " \
+                       f"another script: {paragraph.strip()[:60]!r}"
+        if hit := _foreign_share(text, foreign, WHOLE_ANSWER_LETTERS):
+            return f"the whole answer in {hit[0]} ({hit[1]} of its {hit[2]} letters) to a prompt in another " \
+                   f"script: {text.strip()[:60]!r}"
+    return _latin_drift(rec, text)
+
+
+WHOLE_ANSWER_LETTERS = 4  # an answer wholly in a foreign script is no quoted term, however short
+LATIN_PROSE_WORDS = 12  # a paragraph of this many Latin words and no other script is prose, not a term
+LATIN_WORD = re.compile(r"[A-Za-z][A-Za-z'’-]*")
+ASKS_FOR_LATIN = re.compile(r"english|英文|英语|英語|영어|англ|french|german|spanish|法语|德语|西班牙语", re.I)
+
+
+def _foreign_share(text: str, foreign: re.Pattern, least: int) -> tuple[str, int, int] | None:
+    """(script, its letters, all letters) when ``text`` is mostly letters of one foreign script,
+    ``least`` of them at least."""
+    found = foreign.findall(text)
+    if len(found) < least:
+        return None
+    name, n = max(((name, sum(1 for c in found if SCRIPT_LETTER[name].match(c))) for name in SCRIPTS),
+                  key=lambda hit: hit[1])
+    letters = len(LETTER.findall(text))
+    return (name, n, letters) if n >= least and 2 * n > letters else None
+
+
+def _latin_drift(rec: dict, text: str) -> str | None:
+    """A paragraph of Latin prose in an answer to a prompt written mostly in another script, after
+    the answer began in that script (a Chinese answer that ends in English)."""
+    prompt = "\n".join(texts_of(rec.get("messages") or [], keys=False))
+    prompt_letters = LETTER.findall(prompt)
+    if ASKS_FOR_LATIN.search(prompt) or 2 * sum(1 for c in prompt_letters if NON_LATIN.match(c)) <= len(prompt_letters):
+        return None
+    began = False
+    for paragraph in PARAGRAPH.split(text):
+        if NON_LATIN.search(paragraph):
+            began = began or 2 * len(NON_LATIN.findall(paragraph)) > len(LETTER.findall(paragraph))
             continue
-        name, n = max(((name, sum(1 for c in found if SCRIPT_LETTER[name].match(c))) for name in SCRIPTS),
-                      key=lambda hit: hit[1])
-        letters = len(LETTER.findall(paragraph))
-        if n >= min_letters and 2 * n > letters:
-            return f"a {name} paragraph ({n} of its {letters} letters) in the answer to a prompt in another " \
-                   f"script: {paragraph.strip()[:60]!r}"
+        if began and len(words := LATIN_WORD.findall(paragraph)) >= LATIN_PROSE_WORDS:
+            return f"a paragraph of Latin prose ({len(words)} words) in an answer begun in the prompt's script: " \
+                   f"{paragraph.strip()[:60]!r}"
     return None
 
 
@@ -157,12 +197,19 @@ REASONING_OPENER = re.compile(
     re.I)
 
 
+OPENING_CHARS = 400  # the part of the answer's first paragraph where a restart of the reasoning shows
+SENTENCE_START = re.compile(r"^|(?<=[.!?。！？])\s*")
+
+
 def thinking_in_answer(rec: dict) -> str | None:
     """The answer opens with reasoning again (``Okay, the user is asking...``, ``Let me think``,
     ``嗯，用户...``). An answer that opens ``Okay, here is...`` or quotes such a phrase passes."""
     content = rec.get("content") or ""
-    if REASONING_OPENER.match(content):
-        return f"the answer starts reasoning again: {content.strip()[:60]!r}"
+    # Any sentence of the opening paragraph: "Okay, so the question is about trains. Let me think."
+    opening = PARAGRAPH.split(content.lstrip(), 1)[0][:OPENING_CHARS]
+    for sentence in SENTENCE_START.finditer(opening):
+        if REASONING_OPENER.match(opening, sentence.end()):
+            return f"the answer starts reasoning again: {opening.strip()[:60]!r}"
     return None
 
 
@@ -176,6 +223,9 @@ POINTER = re.compile(
     r"|(?:the )?(?:final )?answer (?:is|was) (?:in|given in|shown in|above in) (?:my|the) (?:thinking|reasoning|"
     r"analysis|thoughts|thought process)(?: above)?"
     r"|(?:my|the) (?:reasoning|thinking|analysis) above (?:has|contains|shows|gives) (?:the|my) (?:final )?answer"
+    r"|i(?:'ve| have)? (?:already )?(?:worked|figured|solved|answered|computed|calculated|explained|shown|derived|"
+    r"done) (?:it|this|that|the (?:answer|problem|question))? ?(?:out )?(?:above|earlier|before|in my (?:reasoning|"
+    r"thinking|analysis))"
     r"|(?:详见|见|参见|参考|(?<=答案)在)(?:上面|上文|上述|以上|我的思考|思考过程)(?:的)?(?:推理|分析|思考|过程|计算)?(?:中|里)?"
     r"|如上(?:所述|所示|所算)",
     re.I)

@@ -124,15 +124,20 @@ def test_a_stray_think_tag_in_the_reasoning_or_answer_is_caught(text):
     assert "stray_think" in hits(record(text))[0]
 
 
-@pytest.mark.parametrize("content", [
-    "Qwen3 wraps its reasoning like this:\n\n```\n<think>\nreasoning here\n</think>\n\nthe answer\n```\n\n"
-    "The parser splits the text at `</think>`.",
-    "Strip the block with `re.sub(r\"<think>.*?</think>\", \"\", text, flags=re.S)` before showing the answer.",
-    "解析器在 `</think>` 处切分推理和回答：\n\n```python\nreasoning, answer = text.split(\"</think>\", 1)\n```",
+ASKS_FORMAT = "How does Qwen3 mark its reasoning in the raw output?"
+
+
+@pytest.mark.parametrize("content, prompt", [
+    ("Qwen3 wraps its reasoning like this:\n\n```\n<think>\nreasoning here\n</think>\n\nthe answer\n```\n\n"
+     "The parser splits the text at `</think>`.", ASKS_FORMAT),
+    ("Strip the block with `re.sub(r\"<think>.*?</think>\", \"\", text, flags=re.S)` before showing the answer.",
+     ASKS_FORMAT),
+    ("解析器在 `</think>` 处切分推理和回答：\n\n```python\nreasoning, answer = text.split(\"</think>\", 1)\n```",
+     "Qwen3 在原始输出里怎么标记推理？"),
 ])
-def test_think_tags_quoted_in_code_are_kept(content):
+def test_think_tags_quoted_in_code_are_kept(content, prompt):
     """Today's naive check rejected these: an answer explaining the format is a good record."""
-    assert hits(said(content, prompt="How does Qwen3 mark its reasoning in the raw output?"))[0] == []
+    assert hits(said(content, prompt=prompt))[0] == []
 
 
 def test_a_leading_think_in_the_reasoning_is_the_parsers_not_a_stray():
@@ -177,6 +182,23 @@ def test_asked_for_or_short_foreign_text_is_no_drift(content, prompt):
     assert "language_drift" not in hits(said(content, prompt=prompt))[0]
 
 
+# Twins written for the wider drift rules (a whole short answer in another script; a Latin
+# paragraph after an answer begun in the prompt's script), apart from tests/labelled_cases.py.
+@pytest.mark.parametrize("content, prompt, drifts", [
+    ("Встреча перенесена на пятницу.", "Make this sound friendlier: The meeting moved to Friday.", True),
+    ("ありがとうございます", "Reply to this message: Thanks for the gift!", True),
+    ("ありがとうございます", "How do you say 'thank you very much' in Japanese?", False),
+    ("Merci beaucoup !", "Reply to this message: Thanks for the gift!", False),
+    ("東京の人口は約千四百万人です。\n\nIn other words, Tokyo is home to roughly fourteen million people, which makes it "
+     "one of the largest cities in the world.", "東京の人口は何人ですか？", True),
+    ("东京人口约一千四百万。\n\nTokyo Metropolis, Shinjuku, Shibuya", "东京有多少人口？", False),
+    ("下面是一个英文例句：\n\nThe committee will review every application carefully before it makes a final "
+     "decision next month.", "给我一个关于 review 的英文例句。", False),
+])
+def test_the_wider_drift_rules_have_twins(content, prompt, drifts):
+    assert ("language_drift" in hits(said(content, prompt=prompt))[0]) is drifts
+
+
 # -- thinking_in_answer --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("content", [
@@ -185,6 +207,7 @@ def test_asked_for_or_short_foreign_text_is_no_drift(content, prompt):
     "Hmm, wait. The capital of France is Paris, not Lyon.",
     "We need to figure out the capital of France. It is Paris.",
     "嗯，用户问的是法国的首都。我知道是巴黎，所以直接回答。",
+    "Right, so this is about French geography. Let me think it through once more: the capital is Paris.",
 ])
 def test_an_answer_that_starts_reasoning_again_is_caught(content):
     assert "thinking_in_answer" in hits(said(content))[0]
@@ -195,6 +218,8 @@ def test_an_answer_that_starts_reasoning_again_is_caught(content):
     "Okay! The capital of France is Paris, a city of about two million people.",
     "\"Okay, the user is asking\" is how reasoning models often open their thinking; the answer should not.",
     "好的，法国的首都是巴黎，也是法国最大的城市。",
+    "Good question. Let me walk you through it: the capital of France is Paris.",
+    "The capital is Paris.\n\nLet me think of a mnemonic for you: Paris, the city of light.",
 ])
 def test_an_answer_opening_like_reasoning_but_answering_passes(content):
     assert "thinking_in_answer" not in hits(said(content))[0]
@@ -204,7 +229,7 @@ def test_an_answer_opening_like_reasoning_but_answering_passes(content):
 
 @pytest.mark.parametrize("content", ["See my reasoning above.", "The answer is in my thinking.", "As computed above.",
                                      "Please refer to the analysis above for the final answer.", "答案见上面的推理。",
-                                     "如上所述。"])
+                                     "如上所述。", "I've already solved this above.", "I have shown the answer earlier."])
 def test_an_answer_that_only_points_at_the_reasoning_is_caught(content):
     assert "stub_answer" in hits(said(content))[0]
 
@@ -214,6 +239,7 @@ def test_an_answer_that_only_points_at_the_reasoning_is_caught(content):
     ("Capital of France, one word.", "Paris", REASONING),
     ("What is 17 * 3?", "As computed above, 17 × 3 = 51.", "17 times 3: 10 times 3 is 30, 7 times 3 is 21, so 51."),
     ("法国的首都？一个词。", "巴黎", ZH_REASONING),
+    ("Is 91 prime?", "I worked it out above: 91 = 7 × 13, so it is not prime.", "91: divisible by 7? 7 × 13 = 91. Yes."),
 ])
 def test_very_short_correct_answers_with_real_reasoning_pass(prompt, content, reasoning):
     """trivial counts the whole text, reasoning included: a one-word answer after real thinking is fine."""
