@@ -49,13 +49,11 @@ def _generate(cfg, a):
 
 
 def _validate(cfg, a):
-    from dflash.text_checks import target_special_tokens
-    from dflash.validate import read_exclusions, validate_shard
+    from dflash.validate import read_exclusions, validate_job
     from dflash.workflow import target_dir
 
     excluded = read_exclusions(a.exclude if a.exclude is not None else cfg["validate"]["exclude"])
-    validate_shard(a.completions, a.validated, a.rejected, a.qa, cfg["validate"], excluded,
-                   target_special_tokens(a.target or target_dir(cfg)))
+    validate_job(a.completions, a.validated, a.rejected, a.qa, cfg["validate"], excluded, a.target or target_dir(cfg))
 
 
 def _tokenize(cfg, a):

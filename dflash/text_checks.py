@@ -145,7 +145,10 @@ def language_drift(rec: dict, min_letters: int) -> str | None:
 WHOLE_ANSWER_LETTERS = 4  # an answer wholly in a foreign script is no quoted term, however short
 LATIN_PROSE_WORDS = 12  # a paragraph of this many Latin words and no other script is prose, not a term
 LATIN_WORD = re.compile(r"[A-Za-z][A-Za-z'’-]*")
-ASKS_FOR_LATIN = re.compile(r"english|英文|英语|英語|영어|англ|french|german|spanish|法语|德语|西班牙语", re.I)
+# Asking for text in a Latin-script language, not naming one ("如何提高英语口语" is about English)
+ASKS_FOR_LATIN = re.compile(r"\bin (?:english|french|german|spanish)\b|english (?:version|sentence|example|text|"
+                            r"translation)|英文|用(?:英|法|德|西班牙)语|英语(?:回答|写|例句|句子|版本)|英語で|영어로|"
+                            r"по-английски", re.I)
 
 
 def _foreign_share(text: str, foreign: re.Pattern, least: int) -> tuple[str, int, int] | None:

@@ -17,6 +17,7 @@ import json
 import re
 import warnings
 from functools import lru_cache
+from pathlib import Path
 
 from jsonschema.exceptions import UnknownType
 from referencing import Registry
@@ -674,3 +675,25 @@ def check_tool_calls(content: str, reasoning: str | None, tools: list | None,
     if calls and end >= 0 and content[end + len("</tool_call>"):].strip():
         problems["text_after_tool_call"] = f"text after the last call: {content[end + 12:].strip()[:80]!r}"
     return calls, problems
+
+
+def target_tool_format(target_dir) -> str:
+    """The tool-call format the target's chat template writes, which picks the engines' parser:
+    ``xml`` when it renders calls as ``<function=NAME>`` (Qwen3.5/3.6, Qwen3-Coder: qwen3_coder),
+    ``json`` when it renders ``<tool_call>`` otherwise (Hermes: Qwen2.5/Qwen3, qwen25), ``auto``
+    (each answer as written) when it writes no tool calls at all. Read from the tokenizer files, as
+    ``transformers`` does: ``chat_template.jinja``, else ``tokenizer_config.json``'s template(s)."""
+    folder = Path(target_dir)
+    if (path := folder / "chat_template.jinja").exists():
+        template = path.read_text(encoding="utf-8")
+    elif (path := folder / "tokenizer_config.json").exists():
+        template = json.loads(path.read_text(encoding="utf-8")).get("chat_template") or ""
+        if isinstance(template, list):  # named templates: [{name, template}]
+            template = "\n".join(t.get("template") or "" for t in template if isinstance(t, dict))
+    else:
+        raise ValueError(f"{folder}: no chat_template.jinja or tokenizer_config.json (validate reads the target's "
+                         f"tool-call format from its chat template); point target.path at the target model folder, "
+                         f"or set validate.tool_format to xml or json")
+    if "<function=" in template:
+        return "xml"
+    return "json" if "<tool_call>" in template else "auto"

@@ -18,9 +18,9 @@ from dflash.config import completed
 from dflash.io import SHARD_RE, atomic_files, iter_jsonl, json_text, naming_full_disk, with_field, zst_lines
 from dflash.loops import repetition_loop
 from dflash.records import checked_records
-from dflash.text_checks import (ShardMemory, control_token_text, duplicate_completion, language_drift, stray_think,
+from dflash.text_checks import (ShardMemory, target_special_tokens, control_token_text, duplicate_completion, language_drift, stray_think,
                                 stub_answer, thinking_in_answer, truncated_stop)
-from dflash.toolcalls import check_tool_calls
+from dflash.toolcalls import check_tool_calls, target_tool_format
 from dflash.vocabulary import (BAD_CALL, BAD_CHAR, EXAMPLES_PER_REASON, LENGTH_BINS, SCRIPTS, TAGS, TOOL_NOTES,
                                calls_a_tool, excerpt, length_stats)
 
@@ -170,6 +170,17 @@ def exclusions_by_shard(excluded: dict[str, str], prompts_dir: str | Path) -> tu
         else:
             by_shard[shard][sample] = reason
     return dict(by_shard), unknown
+
+
+def validate_job(completions_path: Path, validated_path: Path, rejected_path: Path, qa_path: Path, cfg: dict,
+                 excluded: dict[str, str] | None, target_dir: str | Path) -> dict:
+    """The validate stage's job (its rule's script, the pilot's and ``dflash validate``): the target
+    folder gives the special tokens ``control_token_text`` looks for and, with ``validate.tool_format:
+    target``, the tool-call format its chat template writes (``toolcalls.target_tool_format``)."""
+    if cfg["tool_format"] == "target":
+        cfg = {**cfg, "tool_format": target_tool_format(target_dir)}
+    return validate_shard(completions_path, validated_path, rejected_path, qa_path, cfg, excluded,
+                          target_special_tokens(target_dir))
 
 
 def validate_shard(completions_path: Path, validated_path: Path, rejected_path: Path, qa_path: Path,

@@ -8,7 +8,7 @@ the answer, tool calls in its XML format; Hermes JSON for a Qwen3 model; tools i
 never a check's code. ``cases()`` is deterministic (seeded); ``verdicts`` judges them as the
 validate stage does and ``scores`` sums them up. Used by tests/test_labelled.py and
 bench/validation_quality.py; it imports only what older code has too (``make_completion``,
-``validate_shard``, the config's defaults), so the bench measures code before a change as well.
+``validate_job``, the config's defaults), so the bench measures code before a change as well.
 
 A case is (shape, label, expected codes, record): label "bad" (rejected with any one of the codes
 counts as caught) or "good" (expected codes empty). Ids are ``<shape>-<n>-bad`` / ``<shape>-<n>-good``:
@@ -17,7 +17,6 @@ repeats one on purpose (its twins are judged together, the original first).
 """
 from __future__ import annotations
 
-import inspect
 import json
 import random
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 from dflash.config import defaults
 from dflash.io import iter_jsonl, write_jsonl_zst
 from dflash.records import make_completion
-from dflash.validate import validate_shard
+import dflash.validate as stage
 
 DEMO_TARGET = Path(__file__).resolve().parents[1] / "data" / "demo" / "target"
 
@@ -1112,18 +1111,12 @@ def cases(seed: int = 43) -> list[tuple[str, str, tuple[str, ...], dict]]:
 
 
 def verdicts(all_cases: list, cfg: dict | None = None) -> dict[str, tuple[list[str], list[str]]]:
-    """(reasons, flags) per record id, judged by the validate stage itself (``validate_shard``) under
+    """(reasons, flags) per record id, judged by the validate stage itself (``validate_job``) under
     ``cfg``: by default the running code's schema defaults, so codes it does not know are simply
     absent. Each case is a shard of its own, but the twins of ``duplicate_completion``, which share
     one (the original first): a check may look at earlier records of the shard, and one case must
     not decide another's. A shard the stage fails on gets the reason "validate failed: <error>"."""
     cfg = cfg or defaults("validate")
-    # The special tokens of a real Qwen tokenizer (the demo target's), as the validate rule reads
-    # them from the target; code that takes none is judged without them.
-    extra = ()
-    if "special_tokens" in inspect.signature(validate_shard).parameters:
-        from dflash.text_checks import target_special_tokens
-        extra = (None, target_special_tokens(DEMO_TARGET))
     shards: dict[str, list[dict]] = defaultdict(list)
     for shape, _, _, rec in all_cases:
         shards[rec["id"].rsplit("-", 1)[0] if shape == "duplicate_completion" else rec["id"]].append(rec)
@@ -1133,11 +1126,16 @@ def verdicts(all_cases: list, cfg: dict | None = None) -> dict[str, tuple[list[s
             d = Path(tmp) / str(n)
             d.mkdir()
             write_jsonl_zst(d / "shard-00000.jsonl.zst", records)
-            # A run's config names its model's tool-call format: json for a Hermes model (Qwen3)
+            paths = (d / "shard-00000.jsonl.zst", d / "v.jsonl.zst", d / "r.jsonl.zst", d / "qa.json")
+            # A Hermes model's run (Qwen3) names its tool-call format; the Qwen3.6 cases' comes from
+            # the target, a real Qwen tokenizer and template (the demo target's: XML calls), which
+            # gives the special tokens too. Older code has no target to read.
             shard_cfg = {**cfg, "tool_format": "json"} if records[0]["generation"]["model"] == QWEN3 else cfg
             try:
-                validate_shard(d / "shard-00000.jsonl.zst", d / "v.jsonl.zst", d / "r.jsonl.zst", d / "qa.json",
-                               shard_cfg, *extra)
+                if hasattr(stage, "validate_job"):
+                    stage.validate_job(*paths, shard_cfg, None, DEMO_TARGET)
+                else:
+                    stage.validate_shard(*paths, shard_cfg)
             except Exception as e:  # noqa: BLE001 - a stage failing on a case is one of the figures
                 judged.update({rec["id"]: ([f"validate failed: {type(e).__name__}: {e}"], []) for rec in records})
                 continue

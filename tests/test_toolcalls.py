@@ -215,3 +215,47 @@ def test_an_xlam_tool_checks_its_calls():
 def test_nan_is_read_by_python_json_but_not_ours():
     assert math.isnan(json.loads('{"x": NaN}')["x"])
     assert check_tool_calls(SHAPES[[c[0] for c in SHAPES].index("json-nan")][1], None, [WEATHER], "json")[0] == []
+
+
+# -- the default format: the one the target's chat template writes ---------------------------------
+
+DEMO_TARGET = Path(__file__).resolve().parents[1] / "data" / "demo" / "target"
+HERMES_TEMPLATE = ('{%- for tool_call in message.tool_calls %}<tool_call>\n{"name": "{{ tool_call.function.name }}", '
+                   '"arguments": {{ tool_call.function.arguments | tojson }}}\n</tool_call>{%- endfor %}')
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"chat_template.jinja": "<tool_call>\n<function={{ name }}>\n"}, "xml"),  # Qwen3.5/3.6, Qwen3-Coder
+    ({"chat_template.jinja": HERMES_TEMPLATE}, "json"),  # Qwen2.5/Qwen3
+    ({"tokenizer_config.json": json.dumps({"chat_template": HERMES_TEMPLATE})}, "json"),
+    ({"tokenizer_config.json": json.dumps({"chat_template": [{"name": "default", "template": "{{ m }}"},
+                                                             {"name": "tool_use", "template": HERMES_TEMPLATE}]})},
+     "json"),
+    ({"tokenizer_config.json": json.dumps({"chat_template": "{{ messages }}"})}, "auto"),  # writes no calls
+])
+def test_the_target_template_names_the_tool_call_format(tmp_path, files, expected):
+    from dflash.toolcalls import target_tool_format
+
+    for name, text in files.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    assert target_tool_format(tmp_path) == expected
+
+
+def test_validate_reads_the_format_from_the_target_by_default(tmp_path):
+    """validate.tool_format: target (the default): the demo target's template writes XML calls, so
+    a Hermes call from it is one its engine's parser (qwen3_coder) does not read."""
+    from dflash.config import defaults
+    from dflash.io import read_jsonl, write_jsonl_zst
+    from dflash.toolcalls import target_tool_format
+    from dflash.validate import validate_job
+
+    assert target_tool_format(DEMO_TARGET) == "xml"
+    hermes = answer('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    write_jsonl_zst(tmp_path / "c.jsonl.zst", [hermes])
+    cfg = defaults("validate")
+    assert cfg["tool_format"] == "target"
+    validate_job(tmp_path / "c.jsonl.zst", tmp_path / "v.jsonl.zst", tmp_path / "r.jsonl.zst", tmp_path / "qa.json",
+                 cfg, None, DEMO_TARGET)
+    assert read_jsonl(tmp_path / "r.jsonl.zst")[0]["qa"]["reasons"] == ["tool_call_unparsed"]
+    with pytest.raises(ValueError, match="no chat_template.jinja or tokenizer_config.json"):
+        target_tool_format(tmp_path)
