@@ -4,7 +4,8 @@ The real run (config/qwen3.6-27b.yaml, DESIGN.md) reads 913,786 prompts from fou
 ShareGPT conversations (chat), CodeAlpaca instructions (code), OpenAI-format reasoning prompts,
 and 113,786 tool prompts carrying their function definitions. This bench writes a synthetic set
 shaped like it (formats, categories, counts, sizes; ~1% duplicates, ~0.5% held out, a few prompts
-too long for the context) as zstd JSONL under --data (generated once per scale, reused), then runs
+too long for the context; ShareGPT as one JSON array with the quirks of the published file, the
+others zstd JSONL) under --data (generated once per scale, reused), then runs
 the stage (``build_prompts`` with ``PromptChecks``, the demo tokenizer with Qwen3.6's template,
 context 32,768, max_tokens 4,096, shards of 500) in a child process per scale and prints its peak
 RSS (``ru_maxrss`` from ``wait4``), the RSS once the tokenizer is loaded (before any record is
@@ -36,12 +37,12 @@ from dflash.units import human_bytes  # noqa: E402
 
 FULL = {"sharegpt": 420_000, "code": 200_000, "reasoning": 180_000, "tools": 113_786}  # 913,786 prompts
 SOURCES = [  # as config/qwen3.6-27b.yaml names them
-    {"name": "sharegpt", "file": "sharegpt.jsonl.zst", "format": "sharegpt", "category": "chat"},
+    {"name": "sharegpt", "file": "sharegpt.json", "format": "sharegpt", "category": "chat"},  # an array, as published
     {"name": "code", "file": "code_alpaca.jsonl.zst", "format": "alpaca", "category": "code"},
     {"name": "reasoning", "file": "reasoning.jsonl.zst", "format": "openai", "category": "reasoning"},
     {"name": "tools", "file": "tool_prompts.jsonl.zst", "format": "openai", "category": "tool"},
 ]
-GENERATOR_VERSION = 3  # bump when the records below change: the cached sets are regenerated
+GENERATOR_VERSION = 4  # bump when the records below change: the cached sets are regenerated
 
 CHILD = """
 import json, resource, sys, time
@@ -81,6 +82,26 @@ def tool_definition(text: Text, rng: random.Random, k: int) -> dict:
         "type": "object", "properties": params, "required": list(params)[:1]}}}
 
 
+def sharegpt_turns(text: Text, rng: random.Random) -> list[dict]:
+    """A conversation as ShareGPT_V3_unfiltered_cleaned_split.json holds them, with its quirks at
+    the shares counted in that file (17,671 conversations): 0.7% empty, 0.8% with no user turn (a
+    system turn only, or answers only), 0.06% with the roles chatgpt, bing or bard, and 36% that
+    start with an assistant turn (the rest of an earlier conversation)."""
+    draw = rng.random()
+    if draw < 0.0071:
+        return []
+    if draw < 0.0155:
+        return [{"from": "system", "value": text(10, 40)}] if rng.random() < 0.5 else \
+            [{"from": "gpt", "value": text(30, 280)} for _ in range(rng.randint(1, 3))]
+    assistant = rng.choice(["chatgpt", "bing", "bard"]) if draw < 0.0161 else "gpt"
+    turns = [{"from": "system", "value": text(10, 40)}] if rng.random() < 0.2 else []
+    if rng.random() < 0.36:
+        turns.append({"from": assistant, "value": text(30, 280)})
+    for _ in range(rng.choice([1, 1, 1, 2, 2, 3, 4])):
+        turns += [{"from": "human", "value": text(10, 100)}, {"from": assistant, "value": text(30, 280)}]
+    return turns
+
+
 def records(name: str, n: int, text: Text, rng: random.Random):
     """``n`` source lines of one source; about 1% repeat an earlier line, 0.5% are held out, and
     1 in 5,000 is longer than the context leaves room for."""
@@ -94,10 +115,7 @@ def records(name: str, n: int, text: Text, rng: random.Random):
             rec = {"sharegpt": {"conversations": [{"from": "human", "value": long}]},
                    "code": {"instruction": long}}.get(name, {"messages": [{"role": "user", "content": long}]})
         elif name == "sharegpt":
-            turns = [{"from": "system", "value": text(10, 40)}] if rng.random() < 0.2 else []
-            for _ in range(rng.choice([1, 1, 1, 2, 2, 3, 4])):
-                turns += [{"from": "human", "value": text(10, 100)}, {"from": "gpt", "value": text(30, 280)}]
-            rec = {"conversations": turns}
+            rec = {"id": f"{i:07x}_{rng.randrange(16)}", "conversations": sharegpt_turns(text, rng)}
         elif name == "code":
             rec = {"instruction": text(8, 40), "input": text(10, 80) if rng.random() < 0.4 else "",
                    "output": text(20, 200)}
@@ -129,9 +147,16 @@ def synthetic_set(data: Path, scale: float) -> tuple[list[dict], int]:
         text, size = Text(rng), 0
         t = time.perf_counter()
         for src in SOURCES:
+            lines = (dumps_line(rec) for rec in records(src["name"], round(FULL[src["name"]] * scale), text, rng))
+            if src["file"].endswith(".json"):  # one JSON array, as ShareGPT is published
+                with open(folder / src["file"], "wb") as f:
+                    for n, line in enumerate(lines):
+                        size += f.write((b",\n" if n else b"[\n") + line.rstrip(b"\n"))
+                    size += f.write(b"\n]\n")
+                continue
             with jsonl_zst_writer(folder / src["file"]) as write:
-                for rec in records(src["name"], round(FULL[src["name"]] * scale), text, rng):
-                    size += write(dumps_line(rec))
+                for line in lines:
+                    size += write(line)
         stamp.write_text(json.dumps({"version": GENERATOR_VERSION, "bytes": size}))
         print(f"generated scale {scale:g} in {time.perf_counter() - t:.0f} s", flush=True)
     sources = [{"name": s["name"], "path": str(folder / s["file"]), "format": s["format"], "category": s["category"]}
@@ -191,9 +216,9 @@ def main() -> None:
         r = run_stage(sources, a.data / "out", tokenizer)
         rows.append((scale, size, zst, r))
         print(f"scale {scale:g}: {r['prompts'] + r['heldout']:,} prompts kept ({r['prompts']:,} in {r['shards']:,} "
-              f"shards, {r['heldout']:,} held out; dropped {r['dropped']}) from {human_bytes(size)} of JSONL "
+              f"shards, {r['heldout']:,} held out; dropped {r['dropped']}) from {human_bytes(size)} of JSON "
               f"({human_bytes(zst)} zstd)", flush=True)
-    print(f"\n{'scale':>6} {'input JSONL':>12} {'peak RSS':>10} {'tokenizer loaded':>17} {'stage':>10} "
+    print(f"\n{'scale':>6} {'input JSON':>12} {'peak RSS':>10} {'tokenizer loaded':>17} {'stage':>10} "
           f"{'stage/record':>13} {'wall s':>7}")
     for scale, size, _, r in rows:
         kept = r["prompts"] + r["heldout"]
