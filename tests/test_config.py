@@ -72,6 +72,17 @@ def test_every_schema_names_the_same_categories_splits_and_reason_codes():
     assert set(properties("config")["validate"]["properties"]["checks"]["properties"]) == set(CHECKS)
 
 
+def test_the_docs_name_every_reason_code():
+    """A reason code a user meets in a manifest or a QA report is explained where the docs say:
+    the validate codes in docs/quality.md, the prompts stage's per-record drops in docs/stages.md."""
+    from dflash.prompts import QUIRKS, UNREADABLE
+    from dflash.validate import CHECKS
+
+    quality, stages = ((ROOT / "docs" / name).read_text(encoding="utf-8") for name in ("quality.md", "stages.md"))
+    assert [code for code in CHECKS if f"`{code}`" not in quality] == []
+    assert [code for code in (*QUIRKS, *UNREADABLE) if f"`{code}`" not in stages] == []
+
+
 def test_the_core_modules_import_no_stage():
     """docs/design.md's layers: the core modules (files, config, record words, formats, job
     plumbing) import only each other, lazily too, so any stage, report or command can read them."""
