@@ -215,7 +215,8 @@ class Runs:
                         near.setdefault(n - p, n)
                 recent.append(n)
             window = lengths[n - BLOCK_LINES if n > BLOCK_LINES else 0:n]
-            if window and min(window) <= size + ALIKE_SLACK and max(window) >= size - ALIKE_SLACK:
+            if window and min(window) <= size + ALIKE_SLACK and max(window) >= size - ALIKE_SLACK \
+                    and self.unit_words(n) is not None:  # a unit that is not prose starts no run of alike ones
                 for k in range(1, min(n, BLOCK_LINES) + 1):
                     if k not in near and abs(lengths[n - k] - size) <= ALIKE_SLACK and self.alike_units(n, n - k):
                         near[k] = n
@@ -236,12 +237,13 @@ class Runs:
 
     def alike_units(self, i: int, j: int) -> bool:
         """Whether units i and j are alike (see ``alike``), their lengths ALIKE_SLACK apart at most."""
-        words = self._words
-        if words[i] is UNSEEN:
-            words[i] = prose_words(self.units[i])
-        if words[j] is UNSEEN:
-            words[j] = prose_words(self.units[j])
-        return abs(self.lengths[i] - self.lengths[j]) <= ALIKE_SLACK and alike(words[i], words[j])
+        return abs(self.lengths[i] - self.lengths[j]) <= ALIKE_SLACK and alike(self.unit_words(i), self.unit_words(j))
+
+    def unit_words(self, i: int) -> tuple[str, ...] | None:
+        """prose_words of unit i, worked out once."""
+        if self._words[i] is UNSEEN:
+            self._words[i] = prose_words(self.units[i])
+        return self._words[i]
 
     def found(self) -> tuple[str, int] | None:
         """The stretch found, if any: (what repeats, with its copies among the units so far;
