@@ -278,9 +278,11 @@ def test_no_good_sample_is_cut(name):
     text = GOOD_CORPUS[name]
     assert repetition_loop(text, 4, 200) is None and len(text) > 100
     for how, pieces in chunkings(text, seed=len(name)).items():
-        if how == "char" and len(text) > 8_000:
-            continue  # the oracle re-checks at every character: quadratic (token-sized pieces cover it)
-        assert watch(pieces, 4, 200) == (None, None, None) == oracle(pieces, 4, 200), how
+        assert watch(pieces, 4, 200) == (None, None, None), how
+        # The oracle re-checks the whole text at every delta: quadratic; on the long samples it
+        # runs on the coarse chunkings only (the random texts hold the watch to it at every one).
+        if how in ("burst", "whole") or len(text) <= 6_000:
+            assert oracle(pieces, 4, 200) == (None, None, None), how
 
 
 def test_find_loop_says_where_the_loop_begins():
