@@ -3,8 +3,13 @@ the naive re-check, on long outputs that loop and that do not.
 
 Outputs, 4 characters a token: a good one (reasoning prose, then an answer of prose, code
 listings, markdown tables and numbered lists: validate_throughput.py's generator) of 4k and 32k
-tokens, and a looping one of each length (the same good text, then the story's
-``<tool_call>\\n</think>\\n`` from 200 tokens before the end). Each is cut in deltas of 1 to 7
+tokens; a good one with legitimate repetition (the same, with a numbered list to 300, a task list
+repeating ``- Status: pending``, ``Let me check: ...`` lines, CSV rows, a switch statement and
+numbered Chinese steps between its parts); a looping one of each length (the same good text,
+then the story's ``<tool_call>\\n</think>\\n`` from 200 tokens before the end); and, at 4k tokens,
+one for each loop of issue 43 (a counter loop, a sentence repeated inside one line, near copies
+with one word changed, a Chinese counter loop, a block of 16 lines, from 750 tokens before the
+end). Each is cut in deltas of 1 to 7
 characters (4 on average: a token's worth, as a server streams them) and fed, side by side:
 
 - floor:  a bare loop appending each delta to a string (what a client does with a stream anyway);
@@ -55,13 +60,59 @@ SSE_CHUNK = (b'{"id":"chatcmpl-8f3a1c2d9e7b4a60","object":"chat.completion.chunk
              b'"finish_reason":null,"token_ids":[279]}]}')
 
 
-def output(tokens: int, looping: bool, seed: int) -> str:
+BLOCK = ["def load(path):", "    with open(path) as f:", "        rows = [line.split(',') for line in f]",
+         "    header, *body = rows", "    return header, body", "", "Now I run it on the sample file and look",
+         "at the header again to see whether the columns line up.", "The header still has five columns.",
+         "So the loader is fine; the bug must be elsewhere.", "Let me look at the loader once more.", "",
+         "The parser splits on commas, but the third column holds quoted text with commas in it,",
+         "so a row like 'Smith, John' becomes two fields and every column after it shifts by one.",
+         "That explains the totals: the amounts are read from the wrong column for those rows.", ""]
+# What each looping output ends in, copy i of it, and how many tokens before the end it starts.
+LOOPS = {"story": (lambda i: LOOP, 200),
+         "counter": (lambda i: f"Step {i}: Check the value again.\n", 750),
+         "one line": (lambda i: "I need to double-check whether the sum of the first column matches the total. ", 750),
+         "near copies": (lambda i: f"I should verify the {random.Random(i).choice(['total', 'sum', 'row', 'price'])} "
+                                   "once more before I give the final answer.\n", 750),
+         "counter zh": (lambda i: f"第{i}步：再检查一遍这个数值。\n", 750),
+         "long block": (lambda i: "\n".join(BLOCK) + "\n", 750)}
+
+
+def repetitive(rng: random.Random, chars: int) -> str:
+    """Legitimate repetition that the loop checks must let pass, in parts of about ``chars``."""
+    things = "apples pears plums cherries grapes lemons limes melons figs dates kiwis mangoes".split()
+    places = "kitchen garage attic cellar garden office hallway porch".split()
+    parts = ["\n".join(f"{i}. {rng.randint(1, 9)} {rng.choice(things)} from the {rng.choice(places)}"
+                       for i in range(1, 301)),
+             "\n\n".join(f"## {i}. Clean the {rng.choice(places)}\n\n- Status: pending" for i in range(1, 31)),
+             "\n".join(f"Let me check: the {rng.choice(places)} list has {rng.randint(2, 40)} {rng.choice(things)}."
+                       for _ in range(60)),
+             "id,name,qty\n" + "\n".join(f"{i},{rng.choice(things)},{rng.randint(1, 50)}" for i in range(200)),
+             "switch (op) {\n" + "".join(f"case {i}:\n    total += step_{i}(x);\n    break;\n" for i in range(40))
+             + "}\n" * 4,
+             "\n".join(f"第{i}步：{a}。" for i, a in enumerate(["打开配置文件", "找到连接地址", "修改端口", "保存文件",
+                                                              "重启服务", "查看日志"], 1))]
+    return "\n\n".join(rng.choice(parts)[:chars] for _ in range(4))
+
+
+def output(tokens: int, kind: str, seed: int) -> tuple[str, int | None]:
+    """(text, where its loop starts, or None for a good one)."""
     rng = random.Random(seed)
     chars = 4 * tokens
     text = prose(rng, chars // 3) + "\n</think>\n\n" + answer_body(rng, chars - chars // 3)
-    text = text[:chars - (800 if looping else 0)]
-    text = text[:text.rfind("\n") + 1]
-    return text + LOOP * ((chars - len(text)) // len(LOOP)) if looping else text
+    if kind == "good repetitive":  # a part of legitimate repetition after every 4th part of the answer
+        parts = text.split("\n\n")
+        text = "\n\n".join(part + ("\n\n" + repetitive(rng, 1500)) * (i % 4 == 3) for i, part in enumerate(parts))
+    if kind not in LOOPS:
+        text = text[:chars]
+        return text[:text.rfind("\n") + 1], None
+    copy, before = LOOPS[kind]
+    text = text[:chars - 4 * before]
+    text, i = text[:text.rfind("\n") + 1], 0
+    start = len(text)
+    while len(text) < chars:
+        i += 1
+        text += copy(i)
+    return text, start
 
 
 def deltas(text: str, seed: int) -> list[str]:
@@ -120,37 +171,39 @@ def main() -> None:
           f"taking the whole node (DESIGN.md's run)")
     parse = statistics.median(timeit.repeat(lambda: json.loads(SSE_CHUNK), number=20_000, repeat=5)) / 20_000 * 1e6
     print(f"for scale: json.loads of one SSE chunk of one token (vLLM's): {parse:.2f} us")
-    print(f"{'output':<22}{'deltas':>8}{'fed':>8}{'floor us/tok':>14}{'watch us/tok':>14}{'naive us/tok':>14}"
+    print(f"{'output':<24}{'deltas':>8}{'fed':>8}{'floor us/tok':>14}{'watch us/tok':>14}{'naive us/tok':>14}"
           f"{'watch/floor':>13}{'naive/watch':>13}{'watch/40us':>12}")
-    for tokens in (4_000, 32_000):
+    cases = [(tokens, kind) for tokens in (4_000, 32_000) for kind in ("good", "good repetitive", "story")]
+    cases += [(4_000, kind) for kind in LOOPS if kind != "story"]
+    for tokens, kind in cases:
         stride = 1 if tokens <= 4_000 else 32
-        for looping in (False, True):
-            text = output(tokens, looping, seed=tokens)
-            pieces = deltas(text, seed=tokens + looping)
-            assert (repetition_loop(text, MIN_REPEATS, MIN_CHARS) is not None) == looping
-            _, fed = watch(pieces)
-            first = next((i for i in range(fed - 1, fed + 1)
-                          if certain_loop("".join(pieces[:i]), MIN_REPEATS, MIN_CHARS)), None)
-            assert (first == fed) if looping else (fed == len(pieces) and first is None), (tokens, looping)
-            sides = {"floor": lambda: (floor(pieces[:fed]), fed), "watch": lambda: watch(pieces),
-                     "naive": lambda: (naive(pieces[:fed], stride)[0], fed)}
-            per: dict[str, list[float]] = {s: [] for s in sides}
-            ratios: dict[str, list[float]] = {"watch/floor": [], "naive/watch": []}
-            for r in range(args.rounds):
-                names = list(sides)[r % 3:] + list(sides)[:r % 3]
-                took = {name: sides[name]()[0] for name in names}
-                for name, sec in took.items():
-                    per[name].append(sec / fed * 1e6)
-                ratios["watch/floor"].append(took["watch"] / took["floor"])
-                ratios["naive/watch"].append(took["naive"] / took["watch"])
-            us = {name: statistics.median(v) for name, v in per.items()}
-            name = f"{tokens // 1000}k {'looping' if looping else 'good'}"
-            print(f"{name:<22}{len(pieces):>8}{fed:>8}{us['floor']:>14.3f}{us['watch']:>14.3f}{us['naive']:>14.1f}"
-                  f"{statistics.median(ratios['watch/floor']):>13.1f}{statistics.median(ratios['naive/watch']):>13.0f}"
-                  f"{us['watch'] / budget_us:>12.1%}")
-            if looping:
-                print(f"{'':<22}fired after {len(''.join(pieces[:fed])):,} of {len(text):,} characters "
-                      f"(the loop starts at {text.index(LOOP):,})")
+        text, loop_start = output(tokens, kind, seed=tokens)
+        looping = loop_start is not None
+        pieces = deltas(text, seed=tokens + looping)
+        assert (repetition_loop(text, MIN_REPEATS, MIN_CHARS) is not None) == looping
+        _, fed = watch(pieces)
+        first = next((i for i in range(fed - 1, fed + 1)
+                      if certain_loop("".join(pieces[:i]), MIN_REPEATS, MIN_CHARS)), None)
+        assert (first == fed) if looping else (fed == len(pieces) and first is None), (tokens, looping)
+        sides = {"floor": lambda: (floor(pieces[:fed]), fed), "watch": lambda: watch(pieces),
+                 "naive": lambda: (naive(pieces[:fed], stride)[0], fed)}
+        per: dict[str, list[float]] = {s: [] for s in sides}
+        ratios: dict[str, list[float]] = {"watch/floor": [], "naive/watch": []}
+        for r in range(args.rounds):
+            names = list(sides)[r % 3:] + list(sides)[:r % 3]
+            took = {name: sides[name]()[0] for name in names}
+            for name, sec in took.items():
+                per[name].append(sec / fed * 1e6)
+            ratios["watch/floor"].append(took["watch"] / took["floor"])
+            ratios["naive/watch"].append(took["naive"] / took["watch"])
+        us = {name: statistics.median(v) for name, v in per.items()}
+        name = f"{tokens // 1000}k {'looping ' * looping}{kind}"
+        print(f"{name:<24}{len(pieces):>8}{fed:>8}{us['floor']:>14.3f}{us['watch']:>14.3f}{us['naive']:>14.1f}"
+              f"{statistics.median(ratios['watch/floor']):>13.1f}{statistics.median(ratios['naive/watch']):>13.0f}"
+              f"{us['watch'] / budget_us:>12.1%}")
+        if looping:
+            print(f"{'':<24}fired after {len(''.join(pieces[:fed])):,} of {len(text):,} characters "
+                  f"(the loop starts at {loop_start:,})")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 

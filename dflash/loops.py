@@ -22,7 +22,8 @@ tests/test_loops.py holds it to ``certain_loop`` at every delta of many chunking
 from __future__ import annotations
 
 import re
-from collections import Counter
+from functools import lru_cache
+from collections import Counter, deque
 from itertools import accumulate, islice
 from typing import Iterator, NamedTuple, Sequence
 
@@ -113,6 +114,194 @@ def recent_line(lines: list[str]) -> tuple[str, int] | None:
     return None
 
 
+# Loops of units that are not identical lines (issue 43, real Qwen3.6 loops): lines alike but for a
+# number or a word (counter loops, near copies), blocks of 9 to 64 lines, and runs of sentences
+# inside one line (no line breaks). Code, tables and data never count as alike: a unit is "prose"
+# (its words compared) only with letters, at most two numbers and no code marks.
+NEAR_FACTOR = 3  # units alike but not identical need NEAR_FACTOR * min_repeats copies in a row
+ALIKE_SLACK = 20  # alike units differ in length by this many characters at most
+LONG_BLOCK = 64  # the longest block a loop repeats (a restarted answer); from BLOCK_LINES + 1 up
+CODE_MARKS = re.compile(r"[|(){}\[\]<>=;_\\#`$@^~/&+]")
+CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uac00-\ud7af"
+CJK_CHAR = re.compile(rf"[{CJK}]")
+WORD = re.compile(rf"[{CJK}]|[^\s{CJK}]+")  # a CJK character is a word of its own
+FOUR_LETTERS = re.compile(r"[^\W\d_](?:.*?[^\W\d_]){3}", re.S)
+THREE_NUMBERS = re.compile(r"\d(?:\D+\d+){2}")
+NUMBER = re.compile(r"\d+")
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[。！？；])\s*|\\n")
+
+
+@lru_cache(maxsize=4096)  # the stream watch's oracle and find_loop see the same lines again and again
+def prose_words(unit: str) -> tuple[str, ...] | None:
+    """The words of a prose unit, else None (code, tables, data, short units: those only ever match
+    when identical)."""
+    if CODE_MARKS.search(unit) or THREE_NUMBERS.search(unit) or not FOUR_LETTERS.search(unit):
+        return None
+    return tuple(WORD.findall(unit) if CJK_CHAR.search(unit) else unit.split())
+
+
+UNSEEN = object()  # a unit's words not yet needed
+
+
+def alike(a: tuple[str, ...] | None, b: tuple[str, ...] | None) -> bool:
+    """Two prose units the same but for one number (a counter), or, of 6 words or more, for one
+    word in 8. Two numbers changing (data: 'Region 3: 41 units') is no counter."""
+    if a is None or b is None or len(a) != len(b):
+        return False
+    diff = [(x, y) for x, y in zip(a, b) if x != y]
+    return (len(diff) <= (max(1, len(a) // 8) if len(a) >= 6 else 0)
+            or len(diff) == 1 and NUMBER.sub("0", diff[0][0]) == NUMBER.sub("0", diff[0][1]))
+
+
+class Runs:
+    """Units (the lines of a text, or the sentences of one line) taken one at a time; ``add``
+    says whether a stretch that repeats ends at the unit added (once: the first such stretch);
+    ``found`` then says what repeats and where. The stretches, each over min_chars characters
+    (each still qualifies with more units after it, so whether one holds is decided by the units
+    so far, and the stream watch feeds its complete lines to the same rules):
+
+    - ``alike`` units, or blocks of up to 8 (lines alike but for a counter, sentences with one word
+      changed), NEAR_FACTOR * min_repeats times in a row;
+    - identical blocks of 9 to 64 units, min_repeats times in a row;
+    - (sentences) identical sentences or blocks of up to 8, min_repeats times in a row;
+    - (lines) one of the above among the sentences of a line of min_chars characters or more.
+
+    A run starts at a non-blank unit (blank lines go on runs, never start one). Cost per unit: one
+    step per run going on (few), a look at the lengths of the last 8 units and at the recent copies
+    of the unit; its words only when a unit of about its length (ALIKE_SLACK) is among the last 8."""
+
+    def __init__(self, min_repeats: int, min_chars: int, what: str = "line"):
+        self.min_repeats, self.min_chars, self.what = min_repeats, min_chars, what
+        self.sep = what == "line"  # lines are joined by a line break, sentences by nothing
+        self.units: list[str] = []
+        self.lengths: list[int] = []
+        self._words: list = []  # prose_words of each unit, once a comparison needed them (else UNSEEN)
+        self.ends = [0]  # ends[i]: characters before unit i
+        # period -> the first unit of the run, up to the last unit, of units that equal (alike: are
+        # alike) the unit ``period`` before them
+        self.same: dict[int, int] = {}
+        self.alike: dict[int, int] = {}
+        self.recent: dict[str, deque] = {}  # unit -> its indexes among the last LONG_BLOCK units
+        self.hit: tuple[str, int, int] | None = None  # (kind, period, first unit)
+        self.inline: tuple[str, int] | None = None  # found(), for a stretch of sentences in one line
+
+    def add(self, unit: str) -> bool:
+        n, units, lengths, size = len(self.units), self.units, self.lengths, len(unit)
+        units.append(unit)
+        lengths.append(size)
+        self._words.append(UNSEEN)
+        self.ends.append(self.ends[-1] + len(unit) + self.sep)
+        if self.hit:
+            return False
+        if self.sep and len(unit) >= self.min_chars:
+            inline = sentence_runs(unit, self.min_repeats, self.min_chars)
+            if inline:
+                self.hit, self.inline = ("inline", 0, n), (inline[0], self.ends[n] + inline[1])
+                return True
+        same = {period: first for period, first in self.same.items() if units[n - period] == unit} \
+            if self.same else {}
+        near = {k: first for k, first in self.alike.items()
+                if units[n - k] == unit or self.alike_units(n, n - k)} if self.alike else {}
+        if unit.strip():
+            recent = self.recent.get(unit)
+            if recent is None:
+                self.recent[unit] = deque((n,))
+            else:
+                while recent and recent[0] < n - LONG_BLOCK:
+                    recent.popleft()
+                for p in recent:
+                    same.setdefault(n - p, n)
+                    if n - p <= BLOCK_LINES:
+                        near.setdefault(n - p, n)
+                recent.append(n)
+            window = lengths[n - BLOCK_LINES if n > BLOCK_LINES else 0:n]
+            if window and min(window) <= size + ALIKE_SLACK and max(window) >= size - ALIKE_SLACK \
+                    and self.unit_words(n) is not None:  # a unit that is not prose starts no run of alike ones
+                for k in range(1, min(n, BLOCK_LINES) + 1):
+                    if k not in near and abs(lengths[n - k] - size) <= ALIKE_SLACK and self.alike_units(n, n - k):
+                        near[k] = n
+        self.same, self.alike = same, near
+        if not same and not near:
+            return False
+        # (kind, period, first unit of the stretch) of the runs long enough, in the order they count
+        kinds = sorted([("long" if period > BLOCK_LINES else "same", period, first - period)
+                        for period, first in same.items() if n + 1 - first >= period * (self.min_repeats - 1)
+                        and (period > BLOCK_LINES or not self.sep)]
+                       + [("alike", k, first - k) for k, first in near.items()
+                          if n + 1 - first >= k * (NEAR_FACTOR * self.min_repeats - 1)], key=lambda kind: kind[1])
+        for kind, k, first in kinds:
+            if self.ends[n + 1] - self.ends[first] >= self.min_chars:
+                self.hit = (kind, k, first)
+                return True
+        return False
+
+    def alike_units(self, i: int, j: int) -> bool:
+        """Whether units i and j are alike (see ``alike``), their lengths ALIKE_SLACK apart at most."""
+        return abs(self.lengths[i] - self.lengths[j]) <= ALIKE_SLACK and alike(self.unit_words(i), self.unit_words(j))
+
+    def unit_words(self, i: int) -> tuple[str, ...] | None:
+        """prose_words of unit i, worked out once."""
+        if self._words[i] is UNSEEN:
+            self._words[i] = prose_words(self.units[i])
+        return self._words[i]
+
+    def found(self) -> tuple[str, int] | None:
+        """The stretch found, if any: (what repeats, with its copies among the units so far;
+        character offset of its first unit)."""
+        if self.hit is None:
+            return None
+        kind, k, first = self.hit
+        if kind == "inline":
+            return self.inline
+        unit = ("\n" if self.sep else "").join(self.units[first:first + k])
+        copies = (self.count() + k) // k
+        where = "" if self.sep else " within one line"
+        if kind == "same":
+            detail = f"{copies} x {unit[:60]!r} ({k} {self.what}{'s' * (k > 1)} in a row{where})"
+        elif kind == "alike":
+            detail = (f"{copies} x {unit[:60]!r} ({k} {self.what}{'s' * (k > 1)} in a row{where}, alike but for a "
+                      "number or a word)")
+        else:
+            detail = f"{copies} x {unit[:60]!r} (a block of {k} {self.what}s in a row{where})"
+        return detail, self.ends[first]
+
+    def count(self) -> int:
+        """How many units of the stretch found so far match the unit a period before them."""
+        kind, k, first = self.hit
+        i = first + k
+        while i < len(self.units) and (self.units[i] == self.units[i - k]
+                                       or kind == "alike" and self.alike_units(i, i - k)):
+            i += 1
+        return i - first - k
+
+
+@lru_cache(maxsize=1024)  # a stream's oracle (certain_loop at every delta) sees each line again and again
+def sentence_runs(line: str, min_repeats: int, min_chars: int) -> tuple[str, int] | None:
+    """A stretch of sentences of one line that repeats (see Runs): (detail, offset in the line)."""
+    units, pos = [], 0
+    for m in SENTENCE_END.finditer(line):
+        if m.end() > pos:
+            units.append(line[pos:m.end()])
+            pos = m.end()
+    if pos < len(line):
+        units.append(line[pos:])
+    # Most lines hold no sentence twice, and too few sentences for a run of alike ones.
+    if len(units) < NEAR_FACTOR * min_repeats and len(set(units)) == len(units):
+        return None
+    runs = Runs(min_repeats, min_chars, "sentence")
+    for unit in units:
+        runs.add(unit)
+    return runs.found()
+
+
+def line_runs(lines: Sequence[str], min_repeats: int, min_chars: int) -> tuple[str, int] | None:
+    """The first stretch of lines that repeats as Runs finds them: (detail, character offset)."""
+    runs = Runs(min_repeats, min_chars)
+    for line in lines:
+        runs.add(line)
+    return runs.found()
+
+
 def find_loop(text: str, min_repeats: int, min_chars: int) -> Loop | None:
     """Where the text loops, or None: identical lines or blocks of up to 8 lines repeated
     ``min_repeats`` times in a row over ``min_chars`` characters; a tail that is one span over and
@@ -133,6 +322,8 @@ def find_loop(text: str, min_repeats: int, min_chars: int) -> Loop | None:
         return Loop(span[0], start)
     if hit is None and any(counts[line] >= RECENT_MIN // 2 for line in frequent):  # most texts have none
         hit = recent_line(lines)
+    if hit is None and (runs := line_runs(lines, min_repeats, min_chars)):
+        return Loop(*runs)
     return hit and Loop(hit[0], sum(len(ln) + 1 for ln in islice(lines, hit[1])))
 
 
@@ -187,7 +378,7 @@ def certain_loop(text: str, min_repeats: int, min_chars: int) -> Loop | None:
     span = tail_span(tail, min_repeats, min_chars) if len(tail) == window else None
     recent = [ln for ln in complete if ln.strip()][-CERTAIN_LINES:]
     common = Counter(ln for ln in recent if len(ln.strip()) >= RECENT_CHARS).most_common(1)
-    if (line_blocks(complete, min_repeats, min_chars)
+    if (line_blocks(complete, min_repeats, min_chars) or line_runs(complete, min_repeats, min_chars)
             or (span and tail[span[1]:] == tail[:-span[1]])
             or (common and common[0][1] * 2 >= CERTAIN_LINES and recent_line(lines))):
         return find_loop(text, min_repeats, min_chars)
@@ -223,6 +414,8 @@ class LoopWatch:
         self._nonempty: list[int] = []  # indexes of the non-empty complete lines
         self._long = Counter()  # the long ones among the last CERTAIN_LINES of them (recent_line's kind)
         self._common = False  # one of those makes half of CERTAIN_LINES
+        self._runs = Runs(min_repeats, min_chars)  # the complete lines, for the loops of Runs
+        self._runs_hit = False
 
     def feed(self, text_delta: str) -> str | None:
         if self.loop is not None or not text_delta:
@@ -239,7 +432,7 @@ class LoopWatch:
             self._common = max(self._long.values(), default=0) * 2 >= CERTAIN_LINES
         else:
             self._partial.append(text_delta)
-        hit = lo is not None and line_blocks(lines[lo:], self.min_repeats, self.min_chars)
+        hit = self._runs_hit or (lo is not None and line_blocks(lines[lo:], self.min_repeats, self.min_chars))
         if not hit and len(self._tail) == self._window:
             span = tail_span(self._tail, self.min_repeats, self.min_chars)
             hit = span and self._tail[span[1]:] == self._tail[:-span[1]]
@@ -264,6 +457,7 @@ class LoopWatch:
         lines, equal, need = self._lines, self._equal, self._need
         n = len(lines)
         lines.append(line)
+        self._runs_hit = self._runs.add(line) or self._runs_hit
         for k in range(1, BLOCK_LINES + 1):
             equal[k] = equal[k] + 1 if n >= k and line == lines[n - k] else 0
             if equal[k] >= need[k]:

@@ -8,11 +8,14 @@ item 4: legitimately repetitive good outputs, none cut, though validation would 
 their prefixes."""
 import json
 import random
+from itertools import islice
 
 import pytest
 
 from dflash.loops import LoopWatch, certain_loop, find_loop, repetition_loop
-from tests.test_validate import (CODE_LISTING, GOOD, LOOPING_PARAGRAPH, NUMBERED, REASONING, STORY_LOOP, TABLE)
+from dflash.validate import judge
+from tests.test_validate import (CFG, CODE_LISTING, GOOD, LOOPING_PARAGRAPH, NUMBERED, REASONING, STORY_LOOP, TABLE,
+                                 record)
 
 THRESHOLDS = [(4, 200), (2, 1), (3, 40), (10, 600)]  # the default, then looser and stricter
 
@@ -81,6 +84,91 @@ LOOPS = {"story": STORY_LOOP["text"], "paragraph": LOOPING_PARAGRAPH["text"],
          "tail": f"{REASONING}\n</think>\n\nThe answer " + "is the answer " * 400,
          "alternating": f"{REASONING}\n</think>\n\n" + "".join(f"Wait, let me re-check that.\nStep {i} is fine.\n"
                                                                    for i in range(200))}
+
+def real_loops() -> dict[str, str]:
+    """The loops real Qwen3.6 writes that identical lines miss (issue 43), each in a realistic
+    answer that goes on after the loop (most end with stop), in English and Chinese."""
+    rng = random.Random(43)
+    intro = f"{REASONING}\n</think>\n\nLet me work through the task before I answer.\n\n"
+    outro = "\n\nSo the final answer is 42, and the check above confirms it.\n"
+    sentence = "I need to double-check whether the sum of the first column matches the total. "
+    words = ["total", "sum", "column", "row", "value", "result", "count", "price", "amount", "figure"]
+    answer = ["## Summary", "", "The report has three parts:", "", "1. The revenue by region, from the Q3 sheet.",
+              "2. The costs, split into fixed and variable.", "3. The margin, as revenue minus costs.", "",
+              "| region | revenue |", "|---|---|", "| north | 120 |", "| south | 95 |", "",
+              "The margin grew by 4 points over the quarter.", "", "## Details", "",
+              "North led the quarter on the back of two large orders from the retail chain.",
+              "South fell short of its target: the new store opened three weeks late.",
+              "Fixed costs held flat; variable costs rose with the volume, as expected.",
+              "The one surprise is freight, which doubled after the carrier changed its rates.", "",
+              "## Next steps", "", "- Renegotiate the freight contract before the next quarter.",
+              "- Move the south store's launch budget into the fourth quarter.",
+              "- Report the margin per region every month, not every quarter."]
+    block = ["def load(path):", "    with open(path) as f:", "        rows = [line.split(',') for line in f]",
+             "    header, *body = rows", "    return header, body", "", "Now I run it on the sample file and look",
+             "at the header again to see whether the columns line up.", "The header still has five columns.",
+             "So the loader is fine; the bug must be elsewhere."]
+    return {
+        # one line: a sentence dozens of times, then the line (and the answer) goes on
+        "one line": intro + "The table has five rows. " + sentence * 40 + "Done: the totals agree." + outro,
+        "one line zh": intro + "表格一共有五行。" + "我需要再检查一下第一列的总和是否等于合计。" * 40 + "检查完毕，合计正确。" + outro,
+        "counter": intro + "".join(f"Step {i}: Check the value again.\n" for i in range(1, 61)) + outro,
+        "counter day": intro + "".join(f"Day {i}: Review.\n" for i in range(1, 80)) + outro,
+        "counter zh": intro + "".join(f"第{i}步：检查。\n" for i in range(1, 80)) + outro,
+        "near copies": intro + "".join(f"I should verify the {words[i % len(words)]} once more before I give the "
+                                       f"final answer to the user.\n" for i in range(40)) + outro,
+        "near copies zh": intro + "".join(f"我应该再确认一下这个{rng.choice(['结果', '数值', '总和', '金额'])}"
+                                          "是否正确，然后再回答用户的问题。\n" for i in range(40)) + outro,
+        "long block": intro + "\n".join(block * 5) + outro,
+        "restarted answer": intro + "\n".join(answer * 6) + "\n## Summ",  # cut by the cap
+        "tool xml argument": intro + "<tool_call>\n<function=write_file>\n<parameter=path>\nload.py\n"
+                             "</parameter>\n<parameter=content>\n" + "\n".join(block * 5)
+                             + "\n</parameter>\n</function>\n</tool_call>",
+        "tool json argument": intro + '<tool_call>\n{"name": "write_file", "arguments": {"path": "notes.md", '
+                              '"content": "# Notes\\n' + "Remember to check the totals before the review.\\n" * 30
+                              + '"}}\n</tool_call>',
+    }
+
+
+def real_goods() -> dict[str, str]:
+    """Legitimate repetition alike the loops above: none is a loop."""
+    rng = random.Random(44)
+    fruits = ("apples pears plums cherries grapes lemons limes melons peaches oranges figs dates kiwis mangoes "
+              "papayas guavas apricots quinces").split()
+    places = "kitchen garage attic cellar garden office hallway bedroom porch".split()
+    tasks = ["Write the migration script", "Review the API docs", "Set up the staging server", "Port the CLI",
+             "Fix the flaky upload test", "Draft the release notes", "Rotate the signing keys", "Audit the logs"]
+    numbered = "\n".join(f"{i}. {rng.randint(1, 9)} {rng.choice(fruits)} from the {rng.choice(places)}"
+                          for i in range(1, 301))
+    task_list = "\n\n".join(f"## {i}. {rng.choice(tasks)} ({rng.choice(places)})\n\n- Status: pending\n"
+                             f"- Owner: {rng.choice(['Ana', 'Bo', 'Chen', 'Dev'])}" for i in range(1, 31))
+    checks = "\n".join(f"Let me check: the {rng.choice(places)} list has {rng.randint(2, 40)} {rng.choice(fruits)}, "
+                        f"and the {rng.choice(['invoice', 'receipt', 'order'])} says the same." for _ in range(60))
+    switch = "switch (op) {\n" + "".join(f"case {i}:\n    total += step_{i}(x);\n    break;\n" for i in range(60)) \
+        + "default:\n    break;\n}\n" + "}\n" * 5
+    csv_rows = "id,name,qty,price\n" + "\n".join(f"{i},{rng.choice(fruits)},{rng.randint(1, 50)},"
+                                                 f"{rng.randint(1, 9)}.{rng.randint(0, 99):02d}" for i in range(300))
+    steps_zh = "\n".join(f"第{i}步：{a}。" for i, a in enumerate(
+        ["打开配置文件", "找到数据库的连接地址", "把端口改成五四三二", "保存文件并退出", "重启服务", "查看日志确认没有报错",
+         "运行测试用例", "提交修改", "通知团队成员", "更新文档"], 1))
+    paragraph_zh = "".join(rng.sample(["今天的天气很好。", "我们去公园散步。", "公园里有很多人。", "孩子们在草地上玩耍。",
+                                       "老人们在树下下棋。", "湖边有人在钓鱼。", "我们买了两瓶水。", "太阳快要下山了。",
+                                       "我们决定回家。", "路上遇到了老朋友。"], 10))
+    days = "\n".join(f"Day {i}: {rng.choice(['Run 5 km', 'Rest', 'Swim', 'Cycle 20 km', 'Yoga', 'Strength'])}."
+                      for i in range(1, 31))
+    draft = "\n".join(["def mean(xs):", "    if not xs:", "        raise ValueError('empty')", "    total = 0",
+                        "    for x in xs:", "        total += x", "    return total / len(xs)", "", "print(mean([1, 2]))",
+                        "# prints 1.5"])
+    twice = f"My draft:\n\n{draft}\n\nIt works. The final version:\n\n{draft}\n\nThe same code, tested."
+    plan = "\n".join(f"Week {w}: run {w * 2} km on Monday, swim on Wednesday, rest on Friday." for w in range(1, 9))
+    return {"numbered to 300": numbered, "task list": task_list, "let me check": checks, "switch": switch,
+            "csv": csv_rows, "steps zh": steps_zh, "paragraph zh": paragraph_zh, "days": days,
+            "draft then answer": twice, "weekly plan": plan}
+
+
+REAL_LOOPS, REAL_GOODS = real_loops(), real_goods()
+LOOPS.update({f"real: {k}": v for k, v in REAL_LOOPS.items()})
+
 VALIDATOR_GOOD = {"good": GOOD["text"], "code": CODE_LISTING, "table": TABLE, "numbered": NUMBERED,
                   "braces": "}\n" * 6 + "done", "rule": "=" * 120}
 
@@ -111,9 +199,10 @@ def test_loops_abort_early_and_say_where():
     # (characters after the answer's '</think>' where the loop is certain, first_position - head):
     # the story is certain 9 spans into 400, at its first copy; the tail's loop starts at "he answer
     # is " after "T"; the paragraph's at the blank line before it; a line making half of the last 40
-    # starts at its first copy among them (validation's own rule)
-    expected = {"story": (201, 0), "paragraph": (399, -1), "tail": (2049, 1), "alternating": (3573, 2690)}
-    for name, text in LOOPS.items():
+    # starts at its first copy among them (validation's own rule); "Step {i} is fine." is a counter
+    # loop, certain at its 12th pair of lines (alike but for a number: NEAR_FACTOR * min_repeats)
+    expected = {"story": (201, 0), "paragraph": (399, -1), "tail": (2049, 1), "alternating": (530, 0)}
+    for name, text in islice(LOOPS.items(), 4):
         certain = next(n for n in range(head, len(text)) if certain_loop(text[:n], 4, 200))
         assert (certain - head, find_loop(text[:certain], 4, 200).start - head) == expected[name], name
         assert certain < len(text)
@@ -169,7 +258,8 @@ def good_corpus() -> dict[str, str]:
               "python tests": python, "numbered list": numbered, "checklist": bullets, "csv": csv_data,
               "json": json_data, "log": log, "poem refrain": refrain, "progress dots and bars": dots, "math": math,
               "banner": banner, "dispatch chain": dispatch,
-              **{f"validator: {k}": v for k, v in VALIDATOR_GOOD.items()}}
+              **{f"validator: {k}": v for k, v in VALIDATOR_GOOD.items()},
+              **{f"real: {k}": v for k, v in REAL_GOODS.items()}}
     return {name: f"{REASONING}\n</think>\n\nHere it is.\n\n{body}\n\nThat is the whole output."
             for name, body in corpus.items()}
 
@@ -188,9 +278,11 @@ def test_no_good_sample_is_cut(name):
     text = GOOD_CORPUS[name]
     assert repetition_loop(text, 4, 200) is None and len(text) > 100
     for how, pieces in chunkings(text, seed=len(name)).items():
-        if how == "char" and len(text) > 8_000:
-            continue  # the oracle re-checks at every character: quadratic (token-sized pieces cover it)
-        assert watch(pieces, 4, 200) == (None, None, None) == oracle(pieces, 4, 200), how
+        assert watch(pieces, 4, 200) == (None, None, None), how
+        # The oracle re-checks the whole text at every delta: quadratic; on the long samples it
+        # runs on the coarse chunkings only (the random texts hold the watch to it at every one).
+        if how in ("burst", "whole") or len(text) <= 6_000:
+            assert oracle(pieces, 4, 200) == (None, None, None), how
 
 
 def test_find_loop_says_where_the_loop_begins():
@@ -200,3 +292,32 @@ def test_find_loop_says_where_the_loop_begins():
     spans = find_loop(head + "Then: " + "ab c" * 3000, 4, 200)
     assert spans == ("the tail repeats 'ab c' (period 4 chars)", len(head + "Then: "))
     assert find_loop(head + "Then: " + "ab c" * 10, 4, 200) is None
+
+
+# What each real loop is found as (the rule that catches it), and the text its first copy begins with.
+REAL_RULES = {"one line": ("within one line", "I need to double"), "one line zh": ("within one line", "我需要再检查"),
+              "counter": ("alike but for a number", "Step 1:"), "counter day": ("alike but for a number", "Day 1:"),
+              "counter zh": ("alike but for a number", "第1步"), "near copies": ("alike but for a number or a word",
+                                                                   "I should verify"),
+              "near copies zh": ("alike but for a number or a word", "我应该再确认"),
+              "long block": ("a block of 10 lines", "def load"), "restarted answer": ("a block of 27 lines", "## Summary"),
+              "tool xml argument": ("a block of 10 lines", "def load"),
+              "tool json argument": ("within one line", "Remember to")}
+
+
+@pytest.mark.parametrize("name", REAL_LOOPS)
+def test_real_loops_are_found_cut_and_rejected(name):
+    """Each loop real Qwen3.6 writes is found by its rule where it begins, certain in the stream
+    and rejected by validation as repetition_loop."""
+    text = REAL_LOOPS[name]
+    loop = find_loop(text, 4, 200)
+    rule, first = REAL_RULES[name]
+    assert loop and rule in loop.detail and loop.start == text.index(first), loop
+    assert certain_loop(text, 4, 200) == loop  # the stream watch cuts it (at the latest once its line ends)
+    reasons, _, _, details = judge(record(text), CFG)
+    assert "repetition_loop" in reasons and details["repetition_loop"] == loop.detail
+
+
+@pytest.mark.parametrize("name", REAL_GOODS)
+def test_real_repetition_that_is_no_loop_passes_validation(name):
+    assert "repetition_loop" not in judge(record(f"{REASONING}\n</think>\n\nHere it is.\n\n{REAL_GOODS[name]}"), CFG)[0]
