@@ -50,7 +50,7 @@ def figure(pattern: str, text: str) -> None:
 # script: (its smallest mode, a line of figures it prints, what it says on stderr or None).
 # Seconds each on 2 cores, imports and set-up most of it.
 ALONE = {
-    "loop_watch.py": (["--rounds", "1"], r"^32k looping +\d+ +\d+ +[\d.]+", None),
+    "loop_watch.py": (["--rounds", "1"], r"^32k looping story +\d+ +\d+ +[\d.]+", None),
     "validate_throughput.py": (["--records", "200", "--shard-size", "100", "--rounds", "1"],
                                r"^ratio validate / floor, same cut: median [\d.]+ of 1 rounds", None),
     "validation_quality.py": ([], r"^overall +\d+ +\d+ +\d+ +\d+ +\d+ +\d+ +\d+ +[\d.]+% ", None),
