@@ -115,12 +115,13 @@ def recent_line(lines: list[str]) -> tuple[str, int] | None:
 
 
 # Loops of units that are not identical lines (issue 43, real Qwen3.6 loops): lines alike but for a
-# number or a word (counter loops, near copies), blocks of 9 to 64 lines, and runs of sentences
-# inside one line (no line breaks). Code, tables and data never count as alike: a unit is "prose"
+# number or a word (counter loops, near copies), blocks of 9 to 64 lines, a long block 3 times (an
+# answer written again), and runs of sentences or spans inside one line (no line breaks). Code, tables and data never count as alike: a unit is "prose"
 # (its words compared) only with letters, at most two numbers and no code marks.
 NEAR_FACTOR = 3  # units alike but not identical need NEAR_FACTOR * min_repeats copies in a row
 ALIKE_SLACK = 20  # alike units differ in length by this many characters at most
 LONG_BLOCK = 64  # the longest block a loop repeats (a restarted answer); from BLOCK_LINES + 1 up
+RESTART_COPIES = 3  # copies in a row that make a loop of a block of half min_chars or more
 CODE_MARKS = re.compile(r"[|(){}\[\]<>=;_\\#`$@^~/&+]")
 CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uac00-\ud7af"
 CJK_CHAR = re.compile(rf"[{CJK}]")
@@ -163,8 +164,11 @@ class Runs:
     - ``alike`` units, or blocks of up to 8 (lines alike but for a counter, sentences with one word
       changed), NEAR_FACTOR * min_repeats times in a row;
     - identical blocks of 9 to 64 units, min_repeats times in a row;
+    - identical blocks of up to 64 units over half min_chars characters, RESTART_COPIES times in a row
+      (the last copy may lack a quarter: its closing separator);
     - (sentences) identical sentences or blocks of up to 8, min_repeats times in a row;
-    - (lines) one of the above among the sentences of a line of min_chars characters or more.
+    - (lines) one of the above among the sentences of a line of min_chars characters or more, or a
+      span repeated within it (span_run).
 
     A run starts at a non-blank unit (blank lines go on runs, never start one). Cost per unit: one
     step per run going on (few), a look at the lengths of the last 8 units and at the recent copies
@@ -194,7 +198,7 @@ class Runs:
         if self.hit:
             return False
         if self.sep and len(unit) >= self.min_chars:
-            inline = sentence_runs(unit, self.min_repeats, self.min_chars)
+            inline = inline_runs(unit, self.min_repeats, self.min_chars)
             if inline:
                 self.hit, self.inline = ("inline", 0, n), (inline[0], self.ends[n] + inline[1])
                 return True
@@ -225,8 +229,7 @@ class Runs:
             return False
         # (kind, period, first unit of the stretch) of the runs long enough, in the order they count
         kinds = sorted([("long" if period > BLOCK_LINES else "same", period, first - period)
-                        for period, first in same.items() if n + 1 - first >= period * (self.min_repeats - 1)
-                        and (period > BLOCK_LINES or not self.sep)]
+                        for period, first in same.items() if self.repeats(period, first, n)]
                        + [("alike", k, first - k) for k, first in near.items()
                           if n + 1 - first >= k * (NEAR_FACTOR * self.min_repeats - 1)], key=lambda kind: kind[1])
         for kind, k, first in kinds:
@@ -234,6 +237,17 @@ class Runs:
                 self.hit = (kind, k, first)
                 return True
         return False
+
+    def repeats(self, period: int, first: int, n: int) -> bool:
+        """Whether units first - period to n, each from ``first`` on equal to the one ``period``
+        before, repeat a block often enough: min_repeats times (blocks of up to 8 lines are
+        line_blocks's), or RESTART_COPIES times a block of half min_chars characters or more (an
+        answer written again), the last copy maybe short of its closing lines (a separator)."""
+        if (period > BLOCK_LINES or not self.sep) and n + 1 - first >= period * (self.min_repeats - 1):
+            return True
+        block = self.ends[first] - self.ends[first - period]
+        return (block >= self.min_chars // 2
+                and 4 * (self.ends[n + 1] - self.ends[first - period]) >= (4 * RESTART_COPIES - 1) * block)
 
     def alike_units(self, i: int, j: int) -> bool:
         """Whether units i and j are alike (see ``alike``), their lengths ALIKE_SLACK apart at most."""
@@ -254,7 +268,8 @@ class Runs:
         if kind == "inline":
             return self.inline
         unit = ("\n" if self.sep else "").join(self.units[first:first + k])
-        copies = (self.count() + k) // k
+        # copies in characters, rounded: a last copy short of its separator counts
+        copies = round((self.ends[first + k + self.count()] - self.ends[first]) / (self.ends[first + k] - self.ends[first]))
         where = "" if self.sep else " within one line"
         if kind == "same":
             detail = f"{copies} x {unit[:60]!r} ({k} {self.what}{'s' * (k > 1)} in a row{where})"
@@ -276,6 +291,47 @@ class Runs:
 
 
 @lru_cache(maxsize=1024)  # a stream's oracle (certain_loop at every delta) sees each line again and again
+def inline_runs(line: str, min_repeats: int, min_chars: int) -> tuple[str, int] | None:
+    """A stretch of one line that repeats: sentences (see Runs), or a span (see span_run):
+    (detail, offset in the line)."""
+    return sentence_runs(line, min_repeats, min_chars) or span_run(line, min_repeats, min_chars)
+
+
+SPAN_PROBE = 16  # characters of a line looked up further on, to find a span that repeats
+SPAN_WORD = re.compile(r"[^\W\d_]{2}")
+
+
+def span_run(line: str, min_repeats: int, min_chars: int) -> tuple[str, int] | None:
+    """A span of 2 to 2 x min_chars characters repeated min_repeats times in a row over min_chars
+    characters anywhere in one line, sentence ends or not ('Laptop 16 review Laptop 16 review ...',
+    ' OR id = 4411 OR id = 4411 ...' in a tool's argument): (detail, offset), or None. The span
+    holds a word (two letters in a row): a rule of '=', a row of zeros or of '|---' is no loop.
+    Probes every min_chars / 4 characters, so at least three fall inside any such stretch."""
+    stride, size = max(SPAN_PROBE, min_chars // 4), len(line)
+    i = 0
+    while i + SPAN_PROBE <= size:
+        j = line.find(line[i:i + SPAN_PROBE], i + 1, i + 2 * min_chars + SPAN_PROBE)
+        period = j - i
+        if j < 0 or period < 2:
+            i += stride
+            continue
+        end = i  # line[start:end + period] repeats line[start:start + period]
+        while end + 2 * period <= size and line[end + period:end + 2 * period] == line[end:end + period]:
+            end += period
+        while end + period < size and line[end] == line[end + period]:
+            end += 1
+        start = i
+        while start >= period and line[start - period:start] == line[start:start + period]:
+            start -= period
+        while start and line[start - 1] == line[start - 1 + period]:
+            start -= 1
+        span, copies = line[start:start + period], (end + period - start) // period
+        if copies >= min_repeats and end + period - start >= min_chars and SPAN_WORD.search(span):
+            return f"{copies} x {span[:60]!r} (a span repeated within one line)", start
+        i = max(i + stride, end)
+    return None
+
+
 def sentence_runs(line: str, min_repeats: int, min_chars: int) -> tuple[str, int] | None:
     """A stretch of sentences of one line that repeats (see Runs): (detail, offset in the line)."""
     units, pos = [], 0
@@ -305,9 +361,10 @@ def line_runs(lines: Sequence[str], min_repeats: int, min_chars: int) -> tuple[s
 def find_loop(text: str, min_repeats: int, min_chars: int) -> Loop | None:
     """Where the text loops, or None: identical lines or blocks of up to 8 lines repeated
     ``min_repeats`` times in a row over ``min_chars`` characters; a tail that is one span over and
-    over (no line breaks needed); or one line making up half of the last 40. Lines that are alike
-    but not identical (code, tables, numbered lists, data) never count. The start of a repeating
-    tail is where the span begins to repeat, however far back."""
+    over (no line breaks needed); one line making up half of the last 40; or a stretch of Runs
+    (alike prose, long blocks, a restarted answer, sentences or a span within one line). Code,
+    tables, numbered lists and data lines that are alike but not identical never count. The start
+    of a repeating tail is where the span begins to repeat, however far back."""
     lines = text.split("\n")
     counts = Counter(lines)
     # 10 (half of RECENT_MIN) and not more: recent_line needs a line 10 times or more

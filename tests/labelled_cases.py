@@ -597,6 +597,19 @@ def loop_restart(b: Builder) -> None:
         joiner = b.rng.choice(["\n\n", "\n\n---\n\n", "\n"])
         bad = think(b.vary(r), joiner.join([a] * copies))
         b.pair("loop_restart", ("repetition_loop",), _rec(category, q, bad), _rec(category, q, think(b.vary(r), a)))
+    # Good repetition beside the rule: a chorus between the verses, a short refrain three times in a row
+    chorus = ("Hold the lantern, hold it high,\nwe walk the shore till the tide runs dry,\nand if the night "
+              "forgets our names,\nthe morning sings them just the same.")
+    verses = ["Salt on the rope and a gull on the mast,\nthe harbour lights are fading fast.",
+              "My father's boots and my mother's hands,\nwe mend the nets on the northern sands.",
+              "The storm will come and the storm will go,\nthe sea keeps more than we will know."]
+    song = "\n\n".join(part for verse in verses for part in (verse, chorus))
+    refrain = "Round the mill and round the wheel,"
+    rhyme = "\n".join([refrain] * 3 + ["grind the corn and bake the meal."])
+    for n, (q, text) in enumerate([("Write a short folk song about fishermen, with a chorus.", song),
+                                   ("Write a four-line nursery rhyme about a mill.", rhyme)], 9):
+        b.add("loop_restart", "good", (), f"loop_restart-{n}-good",
+              _rec("chat", q, think(b.vary("The user wants a short poem. I'll keep the rhythm steady."), text)))
 
 
 def loop_in_tool_arg(b: Builder) -> None:
@@ -641,6 +654,20 @@ def loop_in_tool_arg(b: Builder) -> None:
         b.pair("loop_in_tool_arg", ("repetition_loop",),
                _rec("tool", q, think(b.vary(r), xml_call(name, **bad_args)), tools=tools),
                _rec("tool", q, think(b.vary(r), xml_call(name, **good_args)), tools=tools))
+    # Good arguments that repeat a span within one line: a staircase path, base64 with zero runs, a
+    # vector of zeros, a table's rule
+    stairs = '<svg xmlns="http://www.w3.org/2000/svg"><path d="M0 0 ' + "h10 v10 " * 40 + 'z"/></svg>'
+    png = "iVBORw0KGgoAAAANSUhEUgAAAEAAAABACAYAAACqaXHeAAAA" + "A" * 300 + "SUVORK5CYII="
+    zeros = json.dumps({"name": "bias_init", "values": [0.0] * 96})
+    table = "| " + " | ".join(f"col{i}" for i in range(24)) + " |\n|" + "---|" * 24
+    for n, (q, path, content) in enumerate([
+            ("Draw a staircase as an SVG and save it.", "stairs.svg", stairs),
+            ("Save this 64x64 transparent PNG (base64) as blank.b64.", "blank.b64", png),
+            ("Write the initial bias vector to bias.json.", "bias.json", zeros),
+            ("Create an empty 24-column markdown table in table.md.", "table.md", table)], 9):
+        r = "The user wants a file written. I'll call write_file with the content."
+        b.add("loop_in_tool_arg", "good", (), f"loop_in_tool_arg-{n}-good",
+              _rec("tool", q, think(b.vary(r), xml_call("write_file", path=path, content=content)), tools=["write_file"]))
 
 
 # ---- tool calls -------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ def test_the_cases_are_sound():
     for shape, label, codes, rec in CASES:
         assert (label == "bad") == bool(codes), rec["id"]
         twins[rec["id"].rsplit("-", 1)[0]].add(label)
-    assert all(labels == {"bad", "good"} for labels in twins.values())
+    assert all("good" in labels for labels in twins.values())  # and good cases of their own beside a rule
     per_shape = Counter(shape for shape, label, *_ in CASES if label == "bad")
     assert all(5 <= n <= 20 for n in per_shape.values()), per_shape
     texts = Counter(rec["text"] for shape, *_, rec in CASES if shape != "duplicate_completion")
@@ -29,7 +29,6 @@ def test_the_cases_are_sound():
     assert cases() == CASES  # deterministic
 
 
-@pytest.mark.xfail(strict=False, reason="until issue 43's checks land")
 def test_recall_and_precision_on_the_labelled_cases():
     figures = scores(CASES, verdicts(CASES))
     overall = figures["overall"]

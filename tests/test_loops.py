@@ -121,6 +121,13 @@ def real_loops() -> dict[str, str]:
                                           "是否正确，然后再回答用户的问题。\n" for i in range(40)) + outro,
         "long block": intro + "\n".join(block * 5) + outro,
         "restarted answer": intro + "\n".join(answer * 6) + "\n## Summ",  # cut by the cap
+        # a shorter answer written three times, the last copy without its separator
+        "restarted 3 times": intro + "\n\n---\n\n".join(["\n".join(answer[:14])] * 3) + outro,
+        # a span within one line, no sentence ends (a search query, SQL)
+        "span in one line": intro + "<tool_call>\n<function=search_web>\n<parameter=query>\n"
+                            + "Framework Laptop 16 review " * 30 + "\n</parameter>\n</function>\n</tool_call>",
+        "span in sql": intro + "SELECT * FROM tickets WHERE (account_id = 4411" + " OR account_id = 4411" * 50
+                       + ");" + outro,
         "tool xml argument": intro + "<tool_call>\n<function=write_file>\n<parameter=path>\nload.py\n"
                              "</parameter>\n<parameter=content>\n" + "\n".join(block * 5)
                              + "\n</parameter>\n</function>\n</tool_call>",
@@ -161,7 +168,12 @@ def real_goods() -> dict[str, str]:
                         "# prints 1.5"])
     twice = f"My draft:\n\n{draft}\n\nIt works. The final version:\n\n{draft}\n\nThe same code, tested."
     plan = "\n".join(f"Week {w}: run {w * 2} km on Monday, swim on Wednesday, rest on Friday." for w in range(1, 9))
-    return {"numbered to 300": numbered, "task list": task_list, "let me check": checks, "switch": switch,
+    chorus = "Hold the lantern, hold it high,\nwe walk the shore till the tide runs dry,\nand the morning sings."
+    song = "\n\n".join(part for verse in ("Salt on the rope,\na gull on the mast.", "Boots by the door,\nnets on "
+                                           "the sand.", "The storm will come,\nthe storm will go.") for part in (verse, chorus))
+    one_liners = "\n".join(['<path d="M0 0 ' + "h10 v10 " * 40 + 'z"/>', "AAAA" * 80 + "SUVORK5CYII=",
+                            json.dumps([0.0] * 96), "|" + "---|" * 40])
+    return {"chorus": song, "repeating one-liners": one_liners, "numbered to 300": numbered, "task list": task_list, "let me check": checks, "switch": switch,
             "csv": csv_rows, "steps zh": steps_zh, "paragraph zh": paragraph_zh, "days": days,
             "draft then answer": twice, "weekly plan": plan}
 
@@ -198,10 +210,11 @@ def test_loops_abort_early_and_say_where():
     head = len(f"{REASONING}\n</think>\n\n")
     # (characters after the answer's '</think>' where the loop is certain, first_position - head):
     # the story is certain 9 spans into 400, at its first copy; the tail's loop starts at "he answer
-    # is " after "T"; the paragraph's at the blank line before it; a line making half of the last 40
+    # is " after "T"; the paragraph (100 characters: half min_chars) is certain at its third copy
+    # (RESTART_COPIES), from its first; a line making half of the last 40
     # starts at its first copy among them (validation's own rule); "Step {i} is fine." is a counter
     # loop, certain at its 12th pair of lines (alike but for a number: NEAR_FACTOR * min_repeats)
-    expected = {"story": (201, 0), "paragraph": (399, -1), "tail": (2049, 1), "alternating": (530, 0)}
+    expected = {"story": (201, 0), "paragraph": (299, 0), "tail": (2049, 1), "alternating": (530, 0)}
     for name, text in islice(LOOPS.items(), 4):
         certain = next(n for n in range(head, len(text)) if certain_loop(text[:n], 4, 200))
         assert (certain - head, find_loop(text[:certain], 4, 200).start - head) == expected[name], name
@@ -302,7 +315,10 @@ REAL_RULES = {"one line": ("within one line", "I need to double"), "one line zh"
               "near copies zh": ("alike but for a number or a word", "我应该再确认"),
               "long block": ("a block of 10 lines", "def load"), "restarted answer": ("a block of 27 lines", "## Summary"),
               "tool xml argument": ("a block of 10 lines", "def load"),
-              "tool json argument": ("within one line", "Remember to")}
+              "tool json argument": ("within one line", "Remember to"),
+              "restarted 3 times": ("3 x '## Summary\\n\\nThe report has three parts:\\n\\n1. The revenue by r' (a block of 17 lines", "## Summary"),
+              "span in one line": ("a span repeated within one line", "Framework Laptop"),
+              "span in sql": ("a span repeated within one line", "account_id = 4411")}
 
 
 @pytest.mark.parametrize("name", REAL_LOOPS)
