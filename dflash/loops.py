@@ -129,7 +129,9 @@ WORD = re.compile(rf"[{CJK}]|[^\s{CJK}]+")  # a CJK character is a word of its o
 FOUR_LETTERS = re.compile(r"[^\W\d_](?:.*?[^\W\d_]){3}", re.S)
 THREE_NUMBERS = re.compile(r"\d(?:\D+\d+){2}")
 NUMBER = re.compile(r"\d+")
-SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[。！？；])\s*|\\n")
+# where a sentence ends: after . ! ? and the spaces that follow, a CJK stop and any spaces, or a
+# literal backslash-n (a JSON string's line break); only the match's end is used
+SENTENCE_END = re.compile(r"[.!?]\s+|[。！？；]\s*|\\n")
 
 
 @lru_cache(maxsize=4096)  # the stream watch's oracle and find_loop see the same lines again and again
@@ -334,15 +336,10 @@ def span_run(line: str, min_repeats: int, min_chars: int) -> tuple[str, int] | N
 
 def sentence_runs(line: str, min_repeats: int, min_chars: int) -> tuple[str, int] | None:
     """A stretch of sentences of one line that repeats (see Runs): (detail, offset in the line)."""
-    units, pos = [], 0
-    for m in SENTENCE_END.finditer(line):
-        if m.end() > pos:
-            units.append(line[pos:m.end()])
-            pos = m.end()
-    if pos < len(line):
-        units.append(line[pos:])
+    ends = [m.end() for m in SENTENCE_END.finditer(line)]
+    units = [line[a:b] for a, b in zip([0, *ends], [*ends, len(line)]) if b > a]
     # Most lines hold no sentence twice, and too few sentences for a run of alike ones.
-    if len(units) < NEAR_FACTOR * min_repeats and len(set(units)) == len(units):
+    if len(units) < NEAR_FACTOR * min_repeats and len(set(units)) == len(units) or not may_run(units, min_repeats):
         return None
     runs = Runs(min_repeats, min_chars, "sentence")
     for unit in units:
@@ -352,10 +349,61 @@ def sentence_runs(line: str, min_repeats: int, min_chars: int) -> tuple[str, int
 
 def line_runs(lines: Sequence[str], min_repeats: int, min_chars: int) -> tuple[str, int] | None:
     """The first stretch of lines that repeats as Runs finds them: (detail, character offset)."""
+    if not may_run(lines, min_repeats) and not any(
+            len(line) >= min_chars and inline_runs(line, min_repeats, min_chars) for line in lines):
+        return None
     runs = Runs(min_repeats, min_chars)
     for line in lines:
         runs.add(line)
     return runs.found()
+
+
+def may_run(units: Sequence[str], min_repeats: int) -> bool:
+    """Whether Runs can find a stretch of identical or alike units among ``units`` (the stretches
+    within one line aside): False only where it cannot, from what each kind of stretch needs, most
+    of it at C speed (Runs itself takes Python steps for every unit: most texts are spared them).
+
+    - identical copies: a non-blank unit (a stretch's first) at min(min_repeats, RESTART_COPIES)
+      equal steps of LONG_BLOCK units at most (a restarted answer's last copy holds its first unit);
+    - alike ones, in blocks of k units (k up to BLOCK_LINES): NEAR_FACTOR * min_repeats units k
+      apart, each equal to the one before, or both prose with as many words (prose_words) and
+      lengths ALIKE_SLACK characters apart at most."""
+    counts, copies = Counter(units), min(min_repeats, RESTART_COPIES)
+    if max(counts.values(), default=0) >= copies:
+        repeated = {unit for unit, n in counts.items() if n >= copies and unit.strip()}
+        where: dict[str, list[int]] = {unit: [] for unit in repeated}
+        for i, unit in enumerate(units):
+            if unit in where:
+                where[unit].append(i)
+        for at in where.values():
+            present = set(at)
+            for n, a in enumerate(at):
+                for b in islice(at, n + 1, None):
+                    if b - a > LONG_BLOCK:
+                        break
+                    if all(a + j * (b - a) in present for j in range(2, copies)):
+                        return True
+    need = NEAR_FACTOR * min_repeats
+    if len(units) < need:
+        return False
+    if CJK_CHAR.search("".join(units)):  # prose_words counts a CJK character as a word
+        words = [len(WORD.findall(unit)) if CJK_CHAR.search(unit) else len(unit.split()) for unit in units]
+    else:
+        words = [len(unit.split()) for unit in units]
+    common = {w for w, n in Counter(words).items() if n >= need and w}
+    if not common:
+        return False
+    candidates = [i for i, w in enumerate(words) if w in common]
+    prose = {i: units[i] if prose_words(units[i]) is not None else None for i in candidates}
+    for k in range(1, BLOCK_LINES + 1):
+        chain: dict[int, int] = {}  # unit -> units k apart up to it, each equal to or alike the one before
+        for i in candidates:
+            j = i - k
+            chain[i] = chain[j] + 1 if j in chain and (units[i] == units[j] or prose[i] and prose[j] and (
+                words[j] == words[i] and abs(len(units[i]) - len(units[j])) <= ALIKE_SLACK)) else 1
+            if chain[i] >= need:
+                return True
+    return False
 
 
 def find_loop(text: str, min_repeats: int, min_chars: int) -> Loop | None:
