@@ -295,12 +295,33 @@ class Runs:
 @lru_cache(maxsize=1024)  # a stream's oracle (certain_loop at every delta) sees each line again and again
 def inline_runs(line: str, min_repeats: int, min_chars: int) -> tuple[str, int] | None:
     """A stretch of one line that repeats: sentences (see Runs), or a span (see span_run):
-    (detail, offset in the line)."""
+    (detail, offset in the line). Most lines are spared both scans (see may_repeat_inline)."""
+    if not may_repeat_inline(line, min_repeats, min_chars):
+        return None
     return sentence_runs(line, min_repeats, min_chars) or span_run(line, min_repeats, min_chars)
 
 
 SPAN_PROBE = 16  # characters of a line looked up further on, to find a span that repeats
 SPAN_WORD = re.compile(r"[^\W\d_]{2}")
+SENTENCE_MARKS = (".", "!", "?", "。", "！", "？", "；", "\\n")
+PROBED_LINE = 4096  # longer lines are scanned whatever (the probes below cost their length each)
+
+
+def may_repeat_inline(line: str, min_repeats: int, min_chars: int) -> bool:
+    """False only where inline_runs finds nothing. A stretch of identical sentences (or blocks of
+    them) and a span that repeats are each a periodic stretch of min_chars characters or more, two
+    copies at least: with min_chars of 64 or more, one of span_run's probes (every max(16,
+    min_chars / 4) characters) falls inside its first copies and comes back further on. Alike
+    sentences need NEAR_FACTOR * min_repeats sentences, so as many sentence ends but one."""
+    if min_chars < 4 * SPAN_PROBE or len(line) > PROBED_LINE:
+        return True
+    if sum(map(line.count, SENTENCE_MARKS)) >= NEAR_FACTOR * min_repeats - 1:
+        return True
+    find = line.find
+    for i in range(0, len(line) - SPAN_PROBE + 1, max(SPAN_PROBE, min_chars // 4)):
+        if find(line[i:i + SPAN_PROBE], i + 1) >= 0:
+            return True
+    return False
 
 
 def span_run(line: str, min_repeats: int, min_chars: int) -> tuple[str, int] | None:
