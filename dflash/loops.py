@@ -140,7 +140,7 @@ def prose_words(unit: str) -> tuple[str, ...] | None:
     when identical)."""
     if CODE_MARKS.search(unit) or THREE_NUMBERS.search(unit) or not FOUR_LETTERS.search(unit):
         return None
-    return tuple(WORD.findall(unit) if CJK_CHAR.search(unit) else unit.split())
+    return tuple(WORD.findall(unit) if not unit.isascii() and CJK_CHAR.search(unit) else unit.split())
 
 
 UNSEEN = object()  # a unit's words not yet needed
@@ -407,7 +407,8 @@ def may_run(units: Sequence[str], min_repeats: int) -> bool:
     need = NEAR_FACTOR * min_repeats
     if len(units) < need:
         return False
-    if CJK_CHAR.search("".join(units)):  # prose_words counts a CJK character as a word
+    joined = "".join(units)
+    if not joined.isascii() and CJK_CHAR.search(joined):  # prose_words counts a CJK character as a word
         words = [len(WORD.findall(unit)) if CJK_CHAR.search(unit) else len(unit.split()) for unit in units]
     else:
         words = [len(unit.split()) for unit in units]
@@ -416,6 +417,10 @@ def may_run(units: Sequence[str], min_repeats: int) -> bool:
         return False
     candidates = [i for i, w in enumerate(words) if w in common]
     prose = {i: units[i] if prose_words(units[i]) is not None else None for i in candidates}
+    # Identical copies at equal steps being ruled out above, no chain holds two equal pairs in a
+    # row: it holds an alike pair, two prose units (most code and tables end here)
+    if sum(1 for unit in prose.values() if unit) < 2:
+        return False
     for k in range(1, BLOCK_LINES + 1):
         chain: dict[int, int] = {}  # unit -> units k apart up to it, each equal to or alike the one before
         for i in candidates:

@@ -337,3 +337,52 @@ def test_real_loops_are_found_cut_and_rejected(name):
 @pytest.mark.parametrize("name", REAL_GOODS)
 def test_real_repetition_that_is_no_loop_passes_validation(name):
     assert "repetition_loop" not in judge(record(f"{REASONING}\n</think>\n\nHere it is.\n\n{REAL_GOODS[name]}"), CFG)[0]
+
+
+def near_miss_text(rng: random.Random) -> str:
+    """Text built to sit near the rules' thresholds: prose alike but for a counter or a word, a
+    sentence or a span a few times in a row within one line, blocks of lines 1 to 5 times with and
+    without a separator, CJK steps, code and blank lines between."""
+    words = ["value", "total", "row", "sum", "price"]
+    pieces = []
+    for _ in range(rng.randint(2, 10)):
+        kind, n = rng.randrange(6), rng.randint(1, 14)
+        if kind == 0:
+            pieces.append("\n".join(f"Step {i}: check the {rng.choice(words[:2])} again." for i in range(n)))
+        elif kind == 1:
+            sep = rng.choice([" ", "", "  "])
+            pieces.append(sep.join([rng.choice(["Let me verify the sum once more.", "第1步：检查。", "Wait."])] * n)
+                          + sep + "Then it is done.")
+        elif kind == 2:
+            pieces.append("SELECT a FROM t WHERE (id = 7" + rng.choice([" OR id = 7", " OR x", " review X"]) * n + ")")
+        elif kind == 3:
+            block = "\n".join(rng.choice(["## Summary", "", "The margin grew by four points over the quarter.",
+                                          "- Renegotiate the freight contract.", "    return total", "|---|---|"])
+                              for _ in range(rng.randint(1, 12)))
+            pieces.append(rng.choice(["\n", "\n\n---\n\n", "\n\n"]).join([block] * rng.randint(1, 5)))
+        elif kind == 4:
+            pieces.append(" ".join(f"I should check the {rng.choice(words)} now." for _ in range(n)))
+        else:
+            pieces.append(rng.choice(["", "x = f(y)  # first", "    }", "Done."]))
+    return rng.choice(["\n", "\n\n", " "]).join(pieces)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_gates_spare_only_texts_without_a_stretch(seed, monkeypatch):
+    """may_run and may_repeat_inline only let Runs skip texts and lines where it finds nothing:
+    with both gates open, every text near the thresholds gets the same answer."""
+    import dflash.loops as loops
+    rng = random.Random(seed)
+    for _ in range(10):
+        lines = near_miss_text(rng).split("\n")
+        for min_repeats, min_chars in THRESHOLDS + [(2, 64), (3, 100), (4, 64)]:
+            loops.inline_runs.cache_clear()
+            gated = (loops.line_runs(lines, min_repeats, min_chars),
+                     [loops.inline_runs(line, min_repeats, min_chars) for line in lines])
+            with monkeypatch.context() as m:
+                m.setattr(loops, "may_run", lambda *a: True)
+                m.setattr(loops, "may_repeat_inline", lambda *a: True)
+                loops.inline_runs.cache_clear()
+                assert gated == (loops.line_runs(lines, min_repeats, min_chars),
+                                 [loops.inline_runs(line, min_repeats, min_chars) for line in lines]), lines
+    loops.inline_runs.cache_clear()
