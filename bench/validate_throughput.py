@@ -9,7 +9,8 @@ trivial answers, token ids as the generate stage writes them. Per shard, side by
               regex (validate leaves them unparsed too: no check reads them), ``json.loads``;
 - read floor, whole lines: zstd decompress + ``json.loads`` of every line (what the first version
               of this bench compared with: it parses the arrays validate skips, and flattered us);
-- validate:   ``dflash.validate.validate_shard`` (every check, validated/rejected shards and the
+- validate:   ``dflash.validate.validate_job``, the stage's job with the demo target (its special
+              tokens, its XML call format) (every check, validated/rejected shards and the
               QA JSON written).
 
 --rounds rounds (default 5) over every shard, the order of floor and validate alternating between
@@ -38,11 +39,10 @@ import zstandard
 
 from dflash.config import load_config
 from dflash.io import write_jsonl_zst
-from dflash.text_checks import target_special_tokens
-from dflash.validate import validate_shard
+from dflash.validate import validate_job
 
 ROOT = Path(__file__).resolve().parents[1]
-SPECIAL = target_special_tokens(ROOT / "data/demo/target")  # control_token_text looks for the target's
+TARGET = ROOT / "data/demo/target"  # its special tokens (control_token_text) and call format (tool_format: target)
 WORDS = ("the of and to in is that for it as with was on be by this are or from at which an not have has "
          "value result function list total step first then check case number answer user so we need because "
          "compute return index error sum each order time data table query model token check line").split()
@@ -124,12 +124,12 @@ def make_record(rng: random.Random, i: int) -> dict:
         split = int(total * rng.uniform(0.3, 0.7))
         reasoning, content = prose(rng, split) + "\n", "\n\n" + answer_body(rng, total - split)
     text = reasoning + "</think>" + content
-    n_out = len(text) // 4
+    n_out = min(len(text) // 4, SAMPLING["max_tokens"])  # a text past the cap was cut there: finish_reason length
     return {
         "id": f"{i:016x}", "prompt_id": f"{i:016x}", "source": "synthetic", "category": category,
         "messages": [{"role": "user", "content": sentence(rng)}], "tools": TOOLS if tool else None,
         "text": text, "reasoning": reasoning, "content": content,
-        "finish_reason": "length" if roll < 0.03 else "stop",
+        "finish_reason": "length" if roll < 0.03 or n_out == SAMPLING["max_tokens"] else "stop",
         "prompt_token_ids": [rng.randrange(150000) for _ in range(40)],
         "output_token_ids": [rng.randrange(150000) for _ in range(n_out)],
         "usage": {"prompt_tokens": 40, "completion_tokens": n_out},
@@ -164,13 +164,13 @@ def read_floor(path: Path, cut: bool) -> tuple[int, int]:
 
 def peak_rss_mb(shards: list[Path], cfg_path: Path) -> float:
     """Peak RSS of a child that validates ``shards``."""
-    code = ("import sys, resource, json; from pathlib import Path; from dflash.validate import validate_shard\n"
-            "cfg, special = json.loads(sys.argv[1]), json.loads(sys.argv[2]); out = Path(sys.argv[3])\n"
+    code = ("import sys, resource, json; from pathlib import Path; from dflash.validate import validate_job\n"
+            "cfg, target = json.loads(sys.argv[1]), sys.argv[2]; out = Path(sys.argv[3])\n"
             "for p in sys.argv[4:]:\n"
-            "    validate_shard(p, out / 'v.zst', out / 'r.zst', out / 'q.json', cfg, special_tokens=special)\n"
+            "    validate_job(p, out / 'v.zst', out / 'r.zst', out / 'q.json', cfg, None, target)\n"
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
     with tempfile.TemporaryDirectory() as out:
-        run = subprocess.run([sys.executable, "-c", code, cfg_path.read_text(), json.dumps(SPECIAL), out,
+        run = subprocess.run([sys.executable, "-c", code, cfg_path.read_text(), str(TARGET), out,
                               *map(str, shards)], capture_output=True, text=True, check=True, cwd=ROOT)
     return float(run.stdout.split()[-1])
 
@@ -201,8 +201,8 @@ def main() -> None:
                 for what in order:
                     t = time.perf_counter()
                     if what == "validate":
-                        qa = validate_shard(path, out / "v.jsonl.zst", out / "r.jsonl.zst", out / "qa.json", cfg,
-                                            special_tokens=SPECIAL)
+                        qa = validate_job(path, out / "v.jsonl.zst", out / "r.jsonl.zst", out / "qa.json", cfg,
+                                          None, TARGET)
                     else:
                         n, b = read_floor(path, cut=what == "cut")
                     seconds[what] += time.perf_counter() - t

@@ -7,13 +7,15 @@ value\\n</parameter>\\n</function>\\n</tool_call>``) whose values are strings un
 What a call *is* follows SGLang 0.5.23's own parsers, ``Qwen25Detector`` (Hermes) and
 ``Qwen3CoderDetector`` (XML), case by case (``tests/test_toolcalls.py`` runs them as the oracle):
 the calls a server would hand the tool are the calls a record holds, typed as the server types them.
-The checks then say what is wrong with them; the one place we read differently on purpose is
-``NaN``/``Infinity`` in Hermes JSON, which Python's json takes and JSON has no words for.
+The checks then say what is wrong with them: ``NaN``/``Infinity`` in Hermes JSON, which the
+engine's json takes and hands on, is ``tool_bad_json`` (JSON has no words for them); records store
+such calls with the words the model wrote (``json_safe``).
 """
 from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import warnings
 from functools import lru_cache
@@ -566,10 +568,11 @@ def _hermes_calls(content: str, offered: dict, problems: dict) -> list[dict]:
                                                       f"no call from: {body.strip()[:80]!r}")
             continue
         try:
-            obj = json.loads(body.strip(), parse_constant=_no_constant)
-        except _NotJSON as e:  # Python's json (and the engine) take it; JSON and every other reader do not
-            problems.setdefault("tool_bad_json", f"{e} is no JSON number: {body.strip()[:80]!r}")
-            continue
+            try:
+                obj = json.loads(body.strip(), parse_constant=_no_constant)
+            except _NotJSON as e:  # Python's json (the engine's) takes it; JSON and every other reader do not
+                problems.setdefault("tool_bad_json", f"{e} is no JSON number: {body.strip()[:80]!r}")
+                obj = json.loads(body.strip())  # the call the engine hands on
         except json.JSONDecodeError as e:
             problems.setdefault("tool_bad_json", f"{e.msg} at {e.pos}: {body.strip()[:80]!r}")
             continue
@@ -586,6 +589,18 @@ def _hermes_calls(content: str, offered: dict, problems: dict) -> list[dict]:
                 continue
             calls.append({"name": act["name"], "arguments": act.get("parameters") or act.get("arguments", {})})
     return calls
+
+
+def json_safe(value):
+    """``value`` as JSON can hold it: NaN and infinities (a Hermes call's, as the engine reads it)
+    as the words the model wrote."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def _fenced_calls(content: str, offered: dict) -> str | None:
@@ -636,6 +651,9 @@ def check_tool_calls(content: str, reasoning: str | None, tools: list | None,
     answer's calls are JSON, else XML). Without tools the engine parses nothing: call markup then is
     ``tool_without_tools``, unless quoted in code (an answer explaining the format).
     """
+    if fmt not in ("xml", "json", "auto"):  # 'target' is the stage's to resolve (validate.validate_job)
+        raise ValueError(f"tool-call format {fmt!r}: xml, json or auto (validate.validate_job resolves 'target' "
+                         f"from the target's chat template)")
     problems: dict[str, str] = {}
     if reasoning and "<tool_call>" in reasoning:
         problems["tool_call_in_reasoning"] = "<tool_call> inside the reasoning"

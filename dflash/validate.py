@@ -20,7 +20,7 @@ from dflash.loops import repetition_loop
 from dflash.records import checked_records
 from dflash.text_checks import (ShardMemory, target_special_tokens, control_token_text, duplicate_completion, language_drift, stray_think,
                                 stub_answer, thinking_in_answer, truncated_stop)
-from dflash.toolcalls import check_tool_calls, target_tool_format
+from dflash.toolcalls import check_tool_calls, json_safe, target_tool_format
 from dflash.vocabulary import (BAD_CALL, BAD_CHAR, EXAMPLES_PER_REASON, LENGTH_BINS, SCRIPTS, TAGS, TOOL_NOTES,
                                calls_a_tool, excerpt, length_stats)
 
@@ -91,6 +91,7 @@ def judge(rec: dict, cfg: dict,
     ``memory`` is the shard's so far (the target's special tokens, earlier completions), else none."""
     calls, problems = check_tool_calls(rec.get("content") or "", rec.get("reasoning"), rec.get("tools"),
                                        cfg["tool_format"])
+    calls = json_safe(calls)  # the record stores them, and JSON has no NaN
     ctx = {"tool_calls": calls, "tool_problems": problems, "cfg": cfg, "memory": memory or ShardMemory()}
     reasons, flags, details = [], [], {}
     for code, check in CHECKS.items():

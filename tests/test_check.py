@@ -14,7 +14,7 @@ from dflash.generate import generate_shard
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
 from dflash.prompts import read_source
 from dflash.toolcalls import check_tool_calls
-from dflash.validate import validate_shard
+from dflash.validate import validate_job, validate_shard
 from dflash.vocabulary import BAD_CALL
 from tests.conftest import ROOT
 from tests.test_validate import CFG, GOOD, STORY_LOOP, answer, xml
@@ -43,8 +43,8 @@ def run(tmp_path_factory, demo_sources, demo_config, target_dir):
         write_jsonl_zst(out / "prompts" / f"{name}.jsonl.zst", part)
         generate_shard(out / "prompts" / f"{name}.jsonl.zst", out / "completions" / f"{name}.jsonl.zst", target_dir,
                        GEN, out / "completions" / f"{name}.summary.json")
-        validate_shard(out / "completions" / f"{name}.jsonl.zst", out / "validated" / f"{name}.jsonl.zst",
-                       out / "rejected" / f"{name}.jsonl.zst", out / "qa" / f"{name}.json", cfg)
+        validate_job(out / "completions" / f"{name}.jsonl.zst", out / "validated" / f"{name}.jsonl.zst",
+                     out / "rejected" / f"{name}.jsonl.zst", out / "qa" / f"{name}.json", cfg, None, target_dir)
     # what a running generate job leaves beside the shards: never read
     (out / "completions" / ".shard-00002.jsonl.zst.partial.jsonl").write_text("{not a record\n")
     return out

@@ -218,7 +218,7 @@ def test_a_looping_generation_is_cut_in_process(tmp_path, prompt_shard, target_d
                                          "tokens_saved": sum(cap - len(c["output_token_ids"]) for c, _ in aborted)}
     print(f"in-process loop abort: {runs[True]['loop_aborts']}")
     validate_shard(tmp_path / "True.jsonl.zst", tmp_path / "v.jsonl.zst", tmp_path / "r.jsonl.zst", tmp_path / "qa.json",
-                   {"checks": {}, "trivial_min_tokens": 0, "repetition": repetition})
+                   {"checks": {}, "trivial_min_tokens": 0, "repetition": repetition, "tool_format": "xml"})
     rejected = {r["id"]: r["qa"]["reasons"] for r in read_jsonl(tmp_path / "r.jsonl.zst")}
     assert all("repetition_loop" in rejected.get(c["id"], []) for c, _ in aborted)
 

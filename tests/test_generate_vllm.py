@@ -157,7 +157,7 @@ def test_tool_call_cut_by_max_tokens_is_a_length_finish(vllm, qwen3_target, demo
     assert rec["finish_reason"] == "length" and summary["finish_reasons"]["length"] == 1
     assert rec["replay"]["stop"] == "finish_length" and summary["replay_stops"] == {"finish_length": 1}
     report = validate_shard(tmp_path / "c.jsonl.zst", tmp_path / "v.jsonl.zst", tmp_path / "r.jsonl.zst",
-                            tmp_path / "qa.json", {"checks": {}, "trivial_min_tokens": 0,
+                            tmp_path / "qa.json", {"checks": {}, "trivial_min_tokens": 0, "tool_format": "xml",
                                                    "repetition": {"min_repeats": 4, "min_chars": 200}})
     assert report["rejected"] == 1 and "finish_length" in read_jsonl(tmp_path / "r.jsonl.zst")[0]["qa"]["reasons"]
 
@@ -236,5 +236,6 @@ def test_looping_stream_is_cut_and_the_server_aborts_it(vllm, qwen3_target, demo
           f"{cap - received} of max_tokens {cap} saved")
     assert received <= generated < cap / 4
     report = validate_shard(tmp_path / "c.jsonl.zst", tmp_path / "v.jsonl.zst", tmp_path / "r.jsonl.zst",
-                            tmp_path / "qa.json", {"checks": {}, "trivial_min_tokens": 0, "repetition": repetition})
+                            tmp_path / "qa.json", {"checks": {}, "trivial_min_tokens": 0, "repetition": repetition,
+                                                   "tool_format": "xml"})
     assert report["rejected"] == 1 and "repetition_loop" in read_jsonl(tmp_path / "r.jsonl.zst")[0]["qa"]["reasons"]

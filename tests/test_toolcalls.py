@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.toolcalls import check_tool_calls, normalised_parameters, schema_problem
+from dflash.toolcalls import check_tool_calls, json_safe, normalised_parameters, schema_problem
 from dflash.validate import judge
 from tests.test_validate import CFG, answer
 
@@ -60,84 +60,83 @@ def hermes(name, arguments, raw=None):
 XML_FILE = '<config>\n  <param name="x">1</param>\n</config>'
 XML_FILE_CUT = '<config>\n  <parameter name="x">1</parameter>\n</config>'  # a literal </parameter> inside the value
 
-# (id, content, tools, format, the tool codes it must get, why we differ from SGLang on purpose or None)
+# (id, content, tools, format, the tool codes it must get)
 SHAPES = [
-    ("xml-good", xml_call("get_weather", {"city": "Paris", "days": 3}), [WEATHER], "xml", set(), None),
+    ("xml-good", xml_call("get_weather", {"city": "Paris", "days": 3}), [WEATHER], "xml", set()),
     ("xml-parallel", xml_call("get_weather", {"city": "Paris"}) + "\n" + xml_call("get_weather", {"city": "Lyon"}),
-     [WEATHER], "xml", set(), None),
+     [WEATHER], "xml", set()),
     ("xml-duplicate", xml_call("get_weather", {"city": "Paris"}) + "\n" + xml_call("get_weather", {"city": "Paris"}),
-     [WEATHER], "xml", {"tool_duplicate_call"}, None),
-    ("xml-value-with-xml", xml_call("write_file", {"path": "a.xml", "content": XML_FILE}), [WRITE], "xml", set(), None),
+     [WEATHER], "xml", {"tool_duplicate_call"}),
+    ("xml-value-with-xml", xml_call("write_file", {"path": "a.xml", "content": XML_FILE}), [WRITE], "xml", set()),
     ("xml-value-cut", xml_call("write_file", {"path": "a.xml", "content": XML_FILE_CUT}), [WRITE], "xml",
-     {"tool_bad_xml"}, None),
-    ("xml-name-space", xml_call("get_weather ", {"city": "Paris"}), [WEATHER], "xml", {"tool_unknown_name"}, None),
+     {"tool_bad_xml"}),
+    ("xml-name-space", xml_call("get_weather ", {"city": "Paris"}), [WEATHER], "xml", {"tool_unknown_name"}),
     ("xml-param-twice", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=city>"
-     "\nLyon\n</parameter>\n</function>\n</tool_call>", [WEATHER], "xml", {"tool_bad_xml"}, None),
-    ("xml-two-params", xml_call("get_weather", {"city": "Lyon", "days": 2}), [WEATHER], "xml", set(), None),
-    ("xml-hermes-from-qwen36", hermes("get_weather", {"city": "Paris"}), [WEATHER], "xml", {"tool_call_unparsed"}, None),
+     "\nLyon\n</parameter>\n</function>\n</tool_call>", [WEATHER], "xml", {"tool_bad_xml"}),
+    ("xml-two-params", xml_call("get_weather", {"city": "Lyon", "days": 2}), [WEATHER], "xml", set()),
+    ("xml-hermes-from-qwen36", hermes("get_weather", {"city": "Paris"}), [WEATHER], "xml", {"tool_call_unparsed"}),
     ("xml-fenced-call", 'I will call it:\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
-     [WEATHER], "xml", {"tool_call_unparsed"}, None),
+     [WEATHER], "xml", {"tool_call_unparsed"}),
     ("xml-fenced-config", 'Use this package.json:\n```json\n{"name": "my-app", "version": "1.0.0"}\n```', [WEATHER],
-     "xml", set(), None),
+     "xml", set()),
     ("xml-response-invented", xml_call("get_weather", {"city": "Paris"}) + "\n<tool_response>\n{\"temp\": 21}\n"
-     "</tool_response>\nIt is 21 degrees.", [WEATHER], "xml", {"tool_response_invented"}, None),
+     "</tool_response>\nIt is 21 degrees.", [WEATHER], "xml", {"tool_response_invented"}),
     ("no-tools-quoted", "A call looks like this:\n```\n<tool_call>\n<function=NAME>\n<parameter=ARG>\nvalue\n"
      "</parameter>\n</function>\n</tool_call>\n```\nand the result comes back in `<tool_response>`.", None, "xml",
-     set(), None),
-    ("no-tools-call", xml_call("get_weather", {"city": "Paris"}), None, "xml", {"tool_without_tools"}, None),
+     set()),
+    ("no-tools-call", xml_call("get_weather", {"city": "Paris"}), None, "xml", {"tool_without_tools"}),
     ("xml-unclosed", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n", [WEATHER], "xml",
-     {"tool_unclosed"}, None),
+     {"tool_unclosed"}),
     ("xml-no-closing-parameter", xml_call("get_weather", {"city": "Paris", "days": 2}, close_params=False), [WEATHER],
-     "xml", {"tool_bad_xml"}, None),
-    ("xml-unicode", xml_call("get_weather", {"city": "Zürich 東京 🌧"}), [WEATHER], "xml", set(), None),
+     "xml", {"tool_bad_xml"}),
+    ("xml-unicode", xml_call("get_weather", {"city": "Zürich 東京 🌧"}), [WEATHER], "xml", set()),
     ("xml-bad-int", xml_call("get_weather", {"city": "Paris", "days": "three"}), [WEATHER], "xml",
-     {"tool_args_schema"}, None),
+     {"tool_args_schema"}),
     ("xml-bad-bool", xml_call("get_weather", {"city": "Paris", "metric": "yes"}), [WEATHER], "xml",
-     {"tool_args_schema"}, None),
-    ("xml-null", xml_call("get_weather", {"city": "null"}), [WEATHER], "xml", {"tool_args_schema"}, None),
-    ("xml-missing-required", xml_call("get_weather", {"days": 2}), [WEATHER], "xml", {"tool_missing_required"}, None),
+     {"tool_args_schema"}),
+    ("xml-null", xml_call("get_weather", {"city": "null"}), [WEATHER], "xml", {"tool_args_schema"}),
+    ("xml-missing-required", xml_call("get_weather", {"days": 2}), [WEATHER], "xml", {"tool_missing_required"}),
     ("xml-prose-then-call", "Let me check.\n\n" + xml_call("get_weather", {"city": "Paris"}), [WEATHER], "xml",
-     set(), None),
-    ("json-good", hermes("get_weather", {"city": "Paris", "days": 2}), [WEATHER], "json", set(), None),
+     set()),
+    ("json-good", hermes("get_weather", {"city": "Paris", "days": 2}), [WEATHER], "json", set()),
     ("json-parallel", hermes("get_weather", {"city": "Paris"}) + "\n" + hermes("get_weather", {"city": "Lyon"}),
-     [WEATHER], "json", set(), None),
+     [WEATHER], "json", set()),
     ("json-duplicate", hermes("get_weather", {"city": "Paris"}) + "\n" + hermes("get_weather", {"city": "Paris"}),
-     [WEATHER], "json", {"tool_duplicate_call"}, None),
+     [WEATHER], "json", {"tool_duplicate_call"}),
     ("json-nan", hermes("", None, '{"name": "get_weather", "arguments": {"city": "Paris", "ratio": NaN}}'), [WEATHER],
-     "json", {"tool_bad_json"}, "NaN: Python's json (the engine's) takes it, JSON has no NaN"),
-    ("json-number", hermes("get_weather", {"city": "Paris", "ratio": 0.5}), [WEATHER], "json", set(), None),
-    ("json-name-space", hermes("get_weather ", {"city": "Paris"}), [WEATHER], "json", {"tool_unknown_name"}, None),
-    ("json-xml-from-qwen3", xml_call("get_weather", {"city": "Paris"}), [WEATHER], "json", {"tool_call_unparsed"},
-     None),
+     "json", {"tool_bad_json"}),
+    ("json-number", hermes("get_weather", {"city": "Paris", "ratio": 0.5}), [WEATHER], "json", set()),
+    ("json-name-space", hermes("get_weather ", {"city": "Paris"}), [WEATHER], "json", {"tool_unknown_name"}),
+    ("json-xml-from-qwen3", xml_call("get_weather", {"city": "Paris"}), [WEATHER], "json", {"tool_call_unparsed"}),
     ("json-no-newline", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>', [WEATHER],
-     "json", {"tool_bad_json"}, None),
+     "json", {"tool_bad_json"}),
     ("json-broken", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>', [WEATHER],
-     "json", {"tool_bad_json"}, None),
+     "json", {"tool_bad_json"}),
     ("json-parameters-key", hermes("", None, '{"name": "get_weather", "parameters": {"city": "Paris"}}'), [WEATHER],
-     "json", set(), None),
+     "json", set()),
     ("json-double-encoded", hermes("", None, json.dumps({"name": "get_weather", "arguments": '{"city": "Paris"}'})),
-     [WEATHER], "json", {"tool_args_schema"}, None),
-    ("json-nested", hermes("get_weather", {"city": "Paris", "hours": [9, 12]}), [WEATHER], "json", set(), None),
-    ("json-unicode", hermes("get_weather", {"city": "Zürich 東京 🌧"}), [WEATHER], "json", set(), None),
+     [WEATHER], "json", {"tool_args_schema"}),
+    ("json-nested", hermes("get_weather", {"city": "Paris", "hours": [9, 12]}), [WEATHER], "json", set()),
+    ("json-unicode", hermes("get_weather", {"city": "Zürich 東京 🌧"}), [WEATHER], "json", set()),
     ("json-response-invented", hermes("get_weather", {"city": "Paris"}) + "\n<tool_response>\n21\n</tool_response>",
-     [WEATHER], "json", {"tool_response_invented"}, None),
+     [WEATHER], "json", {"tool_response_invented"}),
     ("json-unclosed", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}', [WEATHER], "json",
-     {"tool_unclosed"}, None),
+     {"tool_unclosed"}),
 ]
 
 # Typing: every schema dialect with values that look like other types; SGLang decides what each becomes.
 VALUES = ["94103", "007", "12", "3.5", "1e3", "true", "yes", "null", "[1, 2]", "{'a': 1}", '{"a": [1, {"b": null}]}',
           "Zürich", "-4"]
 TYPING = [(f"typing-{dialect}-{n}", xml_call("lookup", {"zip": value, "n": value}), [tool("lookup", schema)], "xml",
-           None, None) for dialect, schema in DIALECTS.items() for n, value in enumerate(VALUES)]
+           None) for dialect, schema in DIALECTS.items() for n, value in enumerate(VALUES)]
 CASES = SHAPES + TYPING
 TOOL_CODES = {"tool_unclosed", "tool_bad_json", "tool_bad_xml", "tool_unknown_name", "tool_args_schema",
               "tool_missing_required", "tool_without_tools", "tool_duplicate_call", "tool_call_unparsed",
               "tool_response_invented", "tool_schema_unknown"}
 
 
-@pytest.mark.parametrize("cid,content,tools,fmt,codes,_", SHAPES, ids=[c[0] for c in SHAPES])
-def test_each_shape_gets_its_codes_and_its_twin_none(cid, content, tools, fmt, codes, _):
+@pytest.mark.parametrize("cid,content,tools,fmt,codes", SHAPES, ids=[c[0] for c in SHAPES])
+def test_each_shape_gets_its_codes_and_its_twin_none(cid, content, tools, fmt, codes):
     problems = check_tool_calls(content, None, tools, fmt)[1]
     assert set(problems) & TOOL_CODES == codes, problems
 
@@ -158,17 +157,10 @@ def test_our_parse_is_sglangs():
     payload = json.dumps([{"text": c[1], "tools": c[2], "format": c[3]} for c in CASES], ensure_ascii=False)
     out = subprocess.run([python, oracle], input=payload, capture_output=True, text=True, timeout=120, check=True)
     theirs = json.loads(out.stdout)
-    agree, deliberate, differ = 0, [], []
-    for (cid, content, tools, fmt, _, why), served in zip(CASES, theirs):
-        ours = check_tool_calls(content, None, tools, fmt)[0]
-        if json.dumps(ours, sort_keys=True) == json.dumps(served, sort_keys=True):
-            agree += 1
-        elif why:
-            deliberate.append(cid)
-        else:
-            differ.append((cid, ours, served))
-    assert not differ, f"{len(differ)} of {len(CASES)} differ from SGLang: {differ[:5]}"
-    assert deliberate == ["json-nan"] and agree == len(CASES) - 1 and len(CASES) >= 100
+    differ = [(cid, ours, served) for (cid, content, tools, fmt, _), served in zip(CASES, theirs)
+              if json.dumps(ours := check_tool_calls(content, None, tools, fmt)[0], sort_keys=True)
+              != json.dumps(served, sort_keys=True)]
+    assert not differ and len(CASES) >= 100, f"{len(differ)} of {len(CASES)} differ from SGLang: {differ[:5]}"
 
 
 # ---- schemas as data sets write them -----------------------------------------------------------------
@@ -212,9 +204,14 @@ def test_an_xlam_tool_checks_its_calls():
     assert set(check_tool_calls(xml_call("get_weather", {"n": 2}), None, [xlam], "xml")[1]) == {"tool_missing_required"}
 
 
-def test_nan_is_read_by_python_json_but_not_ours():
-    assert math.isnan(json.loads('{"x": NaN}')["x"])
-    assert check_tool_calls(SHAPES[[c[0] for c in SHAPES].index("json-nan")][1], None, [WEATHER], "json")[0] == []
+def test_nan_is_read_as_the_engine_reads_it_and_rejected():
+    """The engine's json hands the tool NaN; the record is tool_bad_json, and stores the call as
+    JSON can hold it (the QA JSON and the shards are strict JSON)."""
+    calls, problems = check_tool_calls(SHAPES[[c[0] for c in SHAPES].index("json-nan")][1], None, [WEATHER], "json")
+    assert math.isnan(calls[0]["arguments"]["ratio"]) and "NaN is no JSON number" in problems["tool_bad_json"]
+    assert json_safe(calls) == [{"name": "get_weather", "arguments": {"city": "Paris", "ratio": "NaN"}}]
+    assert json_safe([float("inf"), -float("inf"), 1.5, {"a": [float("nan")]}]) == ["Infinity", "-Infinity", 1.5,
+                                                                                   {"a": ["NaN"]}]
 
 
 # -- the default format: the one the target's chat template writes ---------------------------------
