@@ -116,8 +116,9 @@ def recent_line(lines: list[str]) -> tuple[str, int] | None:
 
 # Loops of units that are not identical lines (issue 43, real Qwen3.6 loops): lines alike but for a
 # number or a word (counter loops, near copies), blocks of 9 to 64 lines, a long block 3 times (an
-# answer written again), and runs of sentences or spans inside one line (no line breaks). Code, tables and data never count as alike: a unit is "prose"
-# (its words compared) only with letters, at most two numbers and no code marks.
+# answer written again), and runs of sentences or spans inside one line (no line breaks). Code,
+# tables and data never count as alike: a unit is "prose" (its words compared) only with letters,
+# at most two numbers and no code marks.
 NEAR_FACTOR = 3  # units alike but not identical need NEAR_FACTOR * min_repeats copies in a row
 ALIKE_SLACK = 20  # alike units differ in length by this many characters at most
 LONG_BLOCK = 64  # the longest block a loop repeats (a restarted answer); from BLOCK_LINES + 1 up
@@ -271,7 +272,8 @@ class Runs:
             return self.inline
         unit = ("\n" if self.sep else "").join(self.units[first:first + k])
         # copies in characters, rounded: a last copy short of its separator counts
-        copies = round((self.ends[first + k + self.count()] - self.ends[first]) / (self.ends[first + k] - self.ends[first]))
+        block = self.ends[first + k] - self.ends[first]
+        copies = round((self.ends[first + k + self.count()] - self.ends[first]) / block)
         where = "" if self.sep else " within one line"
         if kind == "same":
             detail = f"{copies} x {unit[:60]!r} ({k} {self.what}{'s' * (k > 1)} in a row{where})"
