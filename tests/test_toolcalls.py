@@ -204,6 +204,13 @@ def test_an_xlam_tool_checks_its_calls():
     assert set(check_tool_calls(xml_call("get_weather", {"n": 2}), None, [xlam], "xml")[1]) == {"tool_missing_required"}
 
 
+def test_an_unresolved_target_format_is_an_error_not_a_guess():
+    """'target' names the target's chat template; only the stage's job (validate_job) can read it.
+    Parsed as anything else, XML calls would all be tool_call_unparsed."""
+    with pytest.raises(ValueError, match="validate.validate_job resolves 'target'"):
+        check_tool_calls(xml_call("get_weather", {"city": "Paris"}), None, [WEATHER], "target")
+
+
 def test_nan_is_read_as_the_engine_reads_it_and_rejected():
     """The engine's json hands the tool NaN; the record is tool_bad_json, and stores the call as
     JSON can hold it (the QA JSON and the shards are strict JSON)."""
