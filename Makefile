@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CORES ?= 2
 
-.PHONY: install demo demo-target test clean speculators-venv specforge-venv
+.PHONY: install demo demo-target test clean speculators-venv specforge-venv scale-data
 
 # pip fetches only uv, which installs the rest from the same registry, faster than pip would;
 # PIP_FIND_LINKS (a local wheel folder, such as a CPU torch) reaches it too. Compiled to bytecode
@@ -35,6 +35,11 @@ demo: install
 # provenance.json matches them (tests/test_target.py checks that it does).
 demo-target: install
 	$(BIN)/dflash target --threads 2 --out data/demo/target --teach
+
+# The scale benches' data set (bench/scale_data.py): about 6,000 prompts through the pipeline to the
+# hidden stage with the demo target, into .cache/scale; about 40 minutes on 2 cores, reused after.
+scale-data: install
+	$(BIN)/python bench/scale_data.py --out .cache/scale --cores $(CORES)
 
 # The reference DFlash implementation (PyPI dflash 0.1.0, whose import name clashes with ours):
 # unpacked, not installed; the compatibility tests load its model.py by path.

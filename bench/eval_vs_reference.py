@@ -86,16 +86,20 @@ def cache_format(path: Path) -> str | None:
         return (f.metadata() or {}).get("format")
 
 
-def attention_only_target(results: Path, config: dict, work: Path) -> tuple[Path, list[Path]]:
+def attention_only_target(results: Path, config: dict, work: Path,
+                          taught: tuple[dict, Path] | None = None) -> tuple[Path, list[Path]]:
     """(target folder, its hidden-state shards of the run's tokenized shards) of the full-attention
-    variant (see the module docstring), built into ``work`` unless already there."""
+    variant (see the module docstring), built into ``work`` unless already there. ``taught``: the
+    config (and the folder its paths are relative to) whose target the variant copies, for a run
+    that names its target by path (the demo's, for bench/scale_data.py's run); default the run's."""
     target_dir = work / "target"
+    taught_config, root = taught or (config, results.resolve().parent)  # paths relative to the run's folder
     if not target_dir.exists():
-        # The config's source paths are relative to the run's folder (results' parent).
-        sources = [results.resolve().parent / p for p in demo_target_sources(config)]
-        build_target(sources, target_dir, {**config["target"]["build"], "architecture": "qwen3"})
-    if (target_dir / "tokenizer.json").read_bytes() != (results / "target" / "tokenizer.json").read_bytes():
-        sys.exit(f"{target_dir}: its tokenizer is not the run's ({results / 'target'}), so the run's tokenized "
+        sources = [root / p for p in demo_target_sources(taught_config)]
+        build_target(sources, target_dir, {**taught_config["target"]["build"], "architecture": "qwen3"})
+    run_target = Path(config["target"]["path"]) if config["target"]["path"] else results / "target"
+    if (target_dir / "tokenizer.json").read_bytes() != (run_target / "tokenizer.json").read_bytes():
+        sys.exit(f"{target_dir}: its tokenizer is not the run's ({run_target}), so the run's tokenized "
                  "shards do not fit it")
     (work / "hidden").mkdir(parents=True, exist_ok=True)
     hidden = []

@@ -30,15 +30,21 @@ steps on the same data and compares what they make:
   is checked: on one row with speculators' anchors, our DFlashDraftModel with the converted
   weights must give speculators' draft hidden states (max abs difference printed);
 - eval: dflash.eval.evaluate on the run's held-out prompts (greedy speculative decoding with the
-  target, its `eval` settings), the same target and prompts for all.
+  target, its `eval` settings), the same target and prompts for all, `--jobs` drafters at a time;
+- the scale regime (bench/scale_data.py's data set: `--results .cache/scale/results --config
+  .cache/scale/config.yaml`, whose target is the demo's by path): `--rows N` trains on the fewest
+  leading shards holding N trainable rows (a point of the data curve), `--epochs E` sets the steps
+  to rows x E / rows per step, `--batch-size` and `--anchors` set rows per step and anchors per
+  row for both trainers, `--speculators-optimizer muon,adamw` runs both of its optimizers, and
+  `--json-out` writes every run's figures for bench/scale_curve.py (the table and the curve).
 
 Prints training wall time (the training loop) and acceptance length overall and per category.
 A quality comparison, not a timing ratio (see train_vs_speculators.py for that).
 
 Usage: .venv/bin/python bench/train_equal_steps.py [--results results] [--config config.yaml]
     [--steps N] [--lr LR] [--ablation] [--attention-only [--work DIR]] [--seeds 0,1,2] [--jobs 2]
-    [--set KEY=VALUE ...] [--speculators-optimizer muon|adamw]
-    [--speculators-python .venv-speculators/bin/python]
+    [--set KEY=VALUE ...] [--speculators-optimizer muon,adamw] [--rows N] [--epochs E] [--batch-size N]
+    [--anchors N] [--json-out FILE] [--speculators-python .venv-speculators/bin/python]
 (the demo's 1,000 steps, --ablation: about 20 minutes on 2 cores; each seed or target as much again)
 """
 from __future__ import annotations
@@ -46,21 +52,25 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import multiprocessing
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
+
+from dflash.io import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 DROPPED = ("embed_tokens.", "lm_head.", "verifier_lm_head.", "verifier_norm.", "t2d", "d2t")
 ENV = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
 
 
-def speculators_data(results: Path, target_dir: Path, hidden: list[Path], drafter_dir: Path, out: Path) -> None:
+def speculators_data(tokenized: list[Path], target_dir: Path, hidden: list[Path], drafter_dir: Path, out: Path) -> None:
     """The rows, features and target head speculators' trainer reads (see its helper's docstring),
     with the drafter config our trainer built (``drafter_dir``: its checkpoint)."""
     from safetensors import safe_open
@@ -81,7 +91,7 @@ def speculators_data(results: Path, target_dir: Path, hidden: list[Path], drafte
     target, _ = load_target(target_dir)
     last = config.num_target_layers - 1
     ids, mask, aux, final, offsets = [], [], [], [], [0]
-    for tok_path, hid_path in zip(sorted((results / "tokenized").glob("shard-*.safetensors")), hidden):
+    for tok_path, hid_path in zip(tokenized, hidden, strict=True):
         tok = load_file(tok_path)
         rows_meta = json.loads(tok_path.with_suffix(".json").read_text())["rows"]
         with safe_open(hid_path, framework="pt") as handle:
@@ -163,6 +173,30 @@ def start_speculators(python: Path, data: Path, out: Path, cfg: dict, loss_weigh
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
 
 
+def leading_shards(tokenized: list[Path], rows: int | None) -> tuple[list[Path], int]:
+    """The fewest leading shards that hold ``rows`` trainable rows (None: all), and how many they hold."""
+    chosen, held = [], 0
+    for path in tokenized:
+        if rows is not None and held >= rows:
+            break
+        chosen.append(path)
+        held += sum(r.get("trainable", True) for r in json.loads(path.with_suffix(".json").read_text())["rows"])
+    if rows is not None and held < rows:
+        sys.exit(f"--rows {rows}: the run's {len(tokenized)} tokenized shards hold only {held} trainable rows")
+    return chosen, held
+
+
+def evaluate_one(target_dir: Path, drafter: Path, heldout: Path, eval_cfg: dict) -> dict:
+    """One drafter through the evaluator, in a process of its own (one thread)."""
+    torch.set_num_threads(1)
+    from transformers import AutoTokenizer
+
+    from dflash.eval import evaluate
+    from dflash.io import read_jsonl
+
+    return evaluate(target_dir, drafter, read_jsonl(heldout), eval_cfg, AutoTokenizer.from_pretrained(target_dir))
+
+
 def finish(name: str, run: subprocess.Popen) -> str:
     out, err = run.communicate()
     if run.returncode:
@@ -190,8 +224,15 @@ def main() -> None:
     ap.add_argument("--speculators-loss-weight", choices=["dpace", "fixed-exp-decay"], default="dpace",
                     help="speculators' per-position loss weights (dpace: its default for dflash; fixed-exp-decay "
                          "uses our train.loss.decay_gamma)")
-    ap.add_argument("--speculators-optimizer", choices=["muon", "adamw"], default="muon",
-                    help="speculators' --optimizer (muon: its CLI's default; adamw: its TrainerConfig's)")
+    ap.add_argument("--speculators-optimizer", type=lambda text: text.split(","), default=["muon"],
+                    help="speculators' --optimizer, comma-separated for several runs (muon: its CLI's default; "
+                         "adamw: its TrainerConfig's)")
+    ap.add_argument("--rows", type=int, help="train on the fewest leading tokenized shards holding this many "
+                                             "trainable rows (default: all): a point of the data curve")
+    ap.add_argument("--epochs", type=float, help="steps = rows x epochs / rows per step (instead of --steps)")
+    ap.add_argument("--batch-size", type=int, help="rows per step, both trainers (default: the config's)")
+    ap.add_argument("--anchors", type=int, help="anchors per row, both trainers (default: the config's)")
+    ap.add_argument("--json-out", type=Path, help="also write every run's figures here (bench/scale_curve.py reads them)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override one of our train settings (VALUE is YAML: --set optimizer=muon, "
                          "--set min_lr_ratio=0); repeatable")
@@ -203,32 +244,35 @@ def main() -> None:
     if not speculators:
         print(f"{a.speculators_python} not found (make speculators-venv): speculators is left out, only our trainer "
               f"runs", file=sys.stderr)
-    for part in ("target", "tokenized", "hidden", "prompts/heldout.jsonl.zst"):
-        if not (a.results / part).exists():
-            sys.exit(f"{a.results / part} not found: run the demo (`make demo`) first, or pass --results")
-    torch.set_num_threads(1)
-
-    from transformers import AutoTokenizer
-
     from dflash.config import load_config
-    from dflash.eval import encode_prompts, evaluate, load_target, settings
-    from dflash.io import read_jsonl
+    from dflash.eval import settings
     from dflash.train import drafter_train_cfg
 
     config = load_config(a.config)
-    tokenized = sorted((a.results / "tokenized").glob("shard-*.safetensors"))
+    # a run that names its target by path (bench/scale_data.py's: the demo's) has none in its results
+    run_target = Path(config["target"]["path"]) if config["target"]["path"] else a.results / "target"
+    for path in (run_target, *(a.results / p for p in ("tokenized", "hidden", "prompts/heldout.jsonl.zst"))):
+        if not path.exists():
+            sys.exit(f"{path} not found: run the demo (`make demo`) first, or pass --results")
+    torch.set_num_threads(1)
+
+    tokenized, rows = leading_shards(sorted((a.results / "tokenized").glob("shard-*.safetensors")), a.rows)
     if a.attention_only:
         sys.path.insert(0, str(ROOT / "bench"))
         from eval_vs_reference import attention_only_target
 
-        target_dir, hidden = attention_only_target(a.results, config, a.work)
+        # the variant of the demo target for a run that uses the demo's by path
+        taught = (load_config(ROOT / "config.yaml"), ROOT) if config["target"]["path"] else None
+        target_dir, hidden = attention_only_target(a.results, config, a.work, taught)
+        hidden = hidden[:len(tokenized)]
     else:
-        target_dir, hidden = a.results / "target", [a.results / "hidden" / p.name for p in tokenized]
+        target_dir, hidden = run_target, [a.results / "hidden" / p.name for p in tokenized]
     cfg = drafter_train_cfg(config, target_dir)
+    cfg.update({k: v for k, v in (("lr", a.lr), ("batch_size", a.batch_size), ("num_anchors", a.anchors)) if v})
     if a.steps:
         cfg["steps"] = a.steps
-    if a.lr:
-        cfg["lr"] = a.lr
+    elif a.epochs:
+        cfg["steps"] = -(-int(rows * a.epochs) // cfg["batch_size"])
     cfg.update(device="cpu", hidden_states="offline")
     import yaml
 
@@ -237,7 +281,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-equal-steps-"))
     combos = OURS if a.ablation else {"dflash-pipeline": cfg["loss"]}
     which = "the full-attention variant" if a.attention_only else "the run's"
-    print(f"data: {a.results}; target {target_dir} ({which}); "
+    print(f"data: {a.results}, {len(tokenized)} shards, {rows} trainable rows "
+          f"({cfg['steps'] * cfg['batch_size'] / rows:.2f} epochs); target {target_dir} ({which}); "
           f"drafter {cfg['num_layers']} layers, block {cfg['block_size']}, target layers {cfg['target_layer_ids']}; "
           f"{cfg['steps']} steps, lr {cfg['lr']}, {cfg['batch_size']} rows per step, {cfg['num_anchors']} anchors "
           f"per row; fp32, 1 thread each, {a.jobs} at a time", flush=True)
@@ -245,20 +290,18 @@ def main() -> None:
     if speculators:  # its rows need our drafter config (the trainer writes it; one step is enough)
         shape = work / "shape"
         finish("ours (config)", start_ours(tokenized, hidden, target_dir, shape, {**cfg, "steps": 1, "save_every": 0}))
-        speculators_data(a.results, target_dir, hidden, shape, work / "data")
-    spec_name = f"speculators 0.9.0 ({a.speculators_loss_weight}, {a.speculators_optimizer})"
+        speculators_data(tokenized, target_dir, hidden, shape, work / "data")
+    spec_names = {f"speculators 0.9.0 ({a.speculators_loss_weight}, {opt})": opt for opt in a.speculators_optimizer}
     runs = {}  # (trainer, seed) -> (output folder, start)
     for seed in a.seeds:
         for name, loss in combos.items():
             out = work / f"ours-{len(runs)}"
             runs[name, seed] = (out, lambda out=out, loss=loss, seed=seed: start_ours(
                 tokenized, hidden, target_dir, out, {**ours_cfg, "seed": seed, "loss": {**cfg["loss"], **loss}}))
-        if not speculators:
-            continue
-        out = work / f"spec-{seed}"
-        runs[spec_name, seed] = (out, lambda out=out, seed=seed: start_speculators(
-            a.speculators_python, work / "data", out, {**cfg, "seed": seed}, a.speculators_loss_weight,
-            a.speculators_optimizer))
+        for spec_name, optimizer in spec_names.items() if speculators else ():
+            out = work / f"spec-{optimizer}-{seed}"
+            runs[spec_name, seed] = (out, lambda out=out, seed=seed, optimizer=optimizer: start_speculators(
+                a.speculators_python, work / "data", out, {**cfg, "seed": seed}, a.speculators_loss_weight, optimizer))
 
     t0, seconds, pending, running = time.perf_counter(), {}, list(runs), []
     while pending or running:
@@ -269,13 +312,13 @@ def main() -> None:
         for key, run in [(k, r) for k, r in running if r.poll() is not None]:
             running.remove((key, run))
             out = finish(f"{key[0]} seed {key[1]}", run)
-            seconds[key] = (json.loads((runs[key][0] / "summary.json").read_text())["seconds"] if key[0] == spec_name
+            seconds[key] = (json.loads((runs[key][0] / "summary.json").read_text())["seconds"] if key[0] in spec_names
                             else json.loads(out.strip().splitlines()[-1])["seconds"])
             print(f"{key[0]} (seed {key[1]}) trained in {seconds[key]:.1f} s ({time.perf_counter() - t0:.0f} s so far)",
                   flush=True)
     drafters = {}
     for key, (out, _) in runs.items():
-        if key[0] == spec_name:
+        if key[0] in spec_names:
             spec_summary = json.loads((out / "summary.json").read_text())
             diff, scale = convert(out, work / "data", out.with_name(out.name + "-drafter"))
             print(f"speculators (seed {key[1]}): loss {spec_summary['first_loss']:.3f} -> "
@@ -285,10 +328,12 @@ def main() -> None:
         drafters[key] = out
 
     eval_cfg = settings({**config["eval"], "device": "cpu"})
-    prompts = read_jsonl(a.results / "prompts" / "heldout.jsonl.zst")
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    loaded = {"target": load_target(target_dir, eval_cfg), "prompt_ids": encode_prompts(prompts, tokenizer)}
-    results = {key: evaluate(target_dir, d, prompts, eval_cfg, tokenizer, **loaded) for key, d in drafters.items()}
+    heldout = a.results / "prompts" / "heldout.jsonl.zst"
+    # the drafters side by side, a process each ("spawn": no torch threads inherited)
+    with ProcessPoolExecutor(a.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {key: pool.submit(evaluate_one, target_dir, d, heldout, eval_cfg) for key, d in drafters.items()}
+        results = {key: future.result() for key, future in futures.items()}
+    prompts = results[next(iter(results))]["samples"]
     outputs = [[s["output_ids"] for s in r["samples"]] for r in results.values()]
     same = all(o == outputs[0] for o in outputs)
     categories = sorted(next(iter(results.values()))["per_category"])
@@ -304,7 +349,7 @@ def main() -> None:
                 + " | ".join(f"{mean([r['per_category'][c]['acceptance_length'] for r in rs]):.3f}"
                              for c in categories) + f" | {mean(secs):.0f} |")
 
-    for name in [*combos, *([spec_name] if speculators else [])]:
+    for name in [*combos, *(spec_names if speculators else [])]:
         label = f"ours ({name})" if a.ablation and name in combos else name
         keys = [(name, seed) for seed in a.seeds]
         for key in keys:
@@ -314,6 +359,13 @@ def main() -> None:
     recipe = [f"speculators recipe: {spec_summary['recipe']}"] if speculators else []
     if recipe or a.set:
         print("; ".join(recipe + ([f"ours with {' '.join(a.set)}"] if a.set else [])))
+    if a.json_out:
+        write_json(a.json_out, {
+            "target": "qwen3" if a.attention_only else "hybrid", "rows": rows, "shards": len(tokenized),
+            "steps": cfg["steps"], "rows_per_step": cfg["batch_size"], "anchors_per_row": cfg["num_anchors"],
+            "lr": cfg["lr"], "ours_set": a.set, "heldout": len(prompts), "outputs_identical": same,
+            "runs": [{"trainer": name, "seed": seed, "seconds": seconds[name, seed], "overall": r["overall"],
+                      "per_category": r["per_category"]} for (name, seed), r in results.items()]})
     shutil.rmtree(work)
 
 

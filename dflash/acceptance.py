@@ -10,6 +10,17 @@ Two figures, both reported overall and per category:
   counters, ``metrics.speculative_decoding``) and the papers as tau. It reads higher than the
   first, most on short outputs. Compare published figures with this one.
 
+And, per category, what a user compares drafters by (speculators and ModelOpt report them):
+
+- ``acceptance_rate_per_position``: for draft position k (the k-th drafted token of a block), the
+  share of the verify steps that drafted it in which it was accepted (it and every token before
+  it matched the target's). vLLM's per-position counters divided by its drafts, where every step
+  drafts a whole block; here the steps cut short by ``max_new_tokens`` count only where drafted.
+- ``accepted_length_histogram``: verify steps by accepted draft tokens, index n = steps that
+  accepted n (and so yielded n + 1 tokens), 0 to block size - 1.
+
+``METHODS`` says each figure's method in words; the eval JSON carries it.
+
 ``cfg``: the config's ``eval`` section and ``target.fast_kernels``; keys left out take the
 schema's defaults (``dflash/schemas/config.schema.yaml`` documents each), unknown keys are errors.
 """
@@ -22,11 +33,38 @@ from pathlib import Path
 from dflash.config import completed, defaults
 
 ENGINES = ("transformers", "vllm")
+METHODS = {
+    "acceptance_length": "tokens per target forward, the prefill forward included (1.0 without a drafter)",
+    "acceptance_length_per_step": "1 + accepted draft tokens / verify steps that drafted, the prefill left out "
+                                  "(vLLM's mean acceptance length, the papers' tau)",
+    "acceptance_rate_per_position": "per draft position k: verify steps that accepted position k / verify steps "
+                                    "that drafted it",
+    "accepted_length_histogram": "verify steps by accepted draft tokens: index n = steps that accepted n drafted "
+                                 "tokens (n + 1 tokens yielded)",
+    "thinking_off": "the trained drafter on the same held-out prompts rendered with enable_thinking false (the "
+                    "template's empty think block), figures as above",
+}
 
 
 def per_step(drafts: int, accepted: int) -> float:
     """vLLM's mean acceptance length: 1 + accepted draft tokens per verify step that drafted."""
     return 1 + accepted / drafts if drafts else 1.0
+
+
+def position_figures(samples: list[dict]) -> dict:
+    """The per-position acceptance rates and the accepted-length histogram of the samples' verify
+    steps ((drafted, accepted) each)."""
+    steps = [step for s in samples for step in s["steps"]]
+    width = max((drafted for drafted, _ in steps), default=0)
+    drafted_at, accepted_at, histogram = [0] * width, [0] * width, [0] * (width + 1)
+    for drafted, accepted in steps:
+        for k in range(drafted):
+            drafted_at[k] += 1
+        for k in range(accepted):
+            accepted_at[k] += 1
+        histogram[accepted] += 1
+    return {"acceptance_rate_per_position": [a / d if d else 0.0 for a, d in zip(accepted_at, drafted_at)],
+            "accepted_length_histogram": histogram}
 
 
 def summarize(samples: list[dict]) -> dict:
@@ -37,7 +75,14 @@ def summarize(samples: list[dict]) -> dict:
     return {"acceptance_length": tokens / forwards, "acceptance_length_per_step": per_step(drafts, accepted),
             "prompts": len(samples), "target_forwards": forwards, "tokens": tokens, "drafts": drafts,
             "accepted_draft_tokens": accepted, "plain_forwards": tokens, "forwards_saved": tokens - forwards,
-            "forwards_saved_share": (tokens - forwards) / tokens if tokens else 0.0}
+            "forwards_saved_share": (tokens - forwards) / tokens if tokens else 0.0, **position_figures(samples)}
+
+
+def decodings(cfg: dict) -> tuple[str, ...]:
+    """The eval's decodings of the held-out prompts, each ``eval.jobs`` jobs: the trained drafter,
+    an untrained one for scale, and with ``eval.thinking_off`` the trained one on the prompts
+    rendered without thinking."""
+    return ("trained", "untrained", *(("thinking_off",) if cfg["thinking_off"] else ()))
 
 
 def settings(cfg: dict) -> dict:
@@ -79,9 +124,10 @@ def merge_parts(parts: list[dict]) -> dict:
     return merged
 
 
-def eval_result(trained: dict, untrained: dict, cfg: dict) -> dict:
-    """The eval stage's answer from the two decodings (:func:`decode_heldout`), which must agree
-    token for token: speculative decoding is lossless whatever the drafter."""
+def eval_result(trained: dict, untrained: dict, cfg: dict, thinking_off: dict | None = None) -> dict:
+    """The eval stage's answer from its decodings (:func:`decode_heldout`); the trained and the
+    untrained one must agree token for token: speculative decoding is lossless whatever the
+    drafter. ``thinking_off``: the trained drafter's decoding of the prompts without thinking."""
     if [s["output_ids"] for s in trained["samples"]] != [s["output_ids"] for s in untrained["samples"]]:
         raise RuntimeError("speculative decoding is not lossless: trained and untrained drafters decoded differently")
     cfg = settings(cfg)
@@ -89,6 +135,9 @@ def eval_result(trained: dict, untrained: dict, cfg: dict) -> dict:
         "overall": trained["overall"],
         "per_category": trained["per_category"],
         "untrained": {"overall": untrained["overall"], "per_category": untrained["per_category"]},
+        **({"thinking_off": {"overall": thinking_off["overall"], "per_category": thinking_off["per_category"]}}
+           if thinking_off else {}),
+        "methods": METHODS,
         **({"server_counters": {"trained": trained["server_counters"], "untrained": untrained["server_counters"]}}
            if "server_counters" in trained else {}),
         "samples": trained["samples"],
@@ -100,6 +149,11 @@ def eval_result(trained: dict, untrained: dict, cfg: dict) -> dict:
         "reports it): trained %.3f, untrained %.3f", trained["overall"]["acceptance_length"],
         untrained["overall"]["acceptance_length"], trained["overall"]["acceptance_length_per_step"],
         untrained["overall"]["acceptance_length_per_step"])
+    if thinking_off:
+        logging.getLogger(__name__).info(
+            "thinking off: acceptance length %.3f, per verify step %.3f (thinking on: %.3f, %.3f)",
+            thinking_off["overall"]["acceptance_length"], thinking_off["overall"]["acceptance_length_per_step"],
+            trained["overall"]["acceptance_length"], trained["overall"]["acceptance_length_per_step"])
     return result
 
 

@@ -4,6 +4,7 @@ burst where it ran (measured) and from ``dflash.train_cost``'s arithmetic elsewh
 added to generation per node count. Every figure says where it comes from."""
 from __future__ import annotations
 
+from dflash.acceptance import decodings
 from dflash.train_cost import seconds, step_flops, target_forward_flops
 from dflash.units import human_duration
 
@@ -50,7 +51,8 @@ def gpu_bill(config: dict, kinds: dict, generation: dict, text: dict, row_tokens
     flops = step_flops(config, text, row, supervised)
     offline = config["train"]["hidden_states"] != "online"
     hidden_flops = row_tokens_total * target_forward_flops(text, round(row)) / row if offline else 0.0
-    forwards = 2 * (heldout or 0) * config["eval"]["max_new_tokens"]  # trained and untrained, a forward per token
+    # trained, untrained (and thinking off), a forward per token
+    forwards = len(decodings(config["eval"])) * (heldout or 0) * config["eval"]["max_new_tokens"]
     eval_flops = forwards * target_forward_flops(text, config["drafter"]["block_size"])
     stages = {}
     for kind, k in kinds.items():

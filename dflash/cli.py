@@ -341,8 +341,10 @@ def add_inspect(sub, common: argparse.ArgumentParser) -> None:
     inspect = sub.add_parser(
         "inspect", parents=[common], help="print records of any stage's shard (local or s3://), filtered",
         description="Print the records of prompt, completion, validated, rejected, tokenized or hidden-state "
-                    "shards, local or s3:// (boto3; AWS_ENDPOINT_URL for other S3 servers). Filters combine.")
-    inspect.add_argument("shards", nargs="+", help="shard files (.jsonl.zst, .jsonl, .safetensors)")
+                    "shards, local or s3:// (boto3; AWS_ENDPOINT_URL for other S3 servers), or an eval report's "
+                    "figures per category. Filters combine.")
+    inspect.add_argument("shards", nargs="+",
+                         help="shard files (.jsonl.zst, .jsonl, .safetensors) or an eval report (eval/<run>.json)")
     for flag, what in [("--category", "category"), ("--reason", "rejection reason code"), ("--flag", "QA flag code"),
                        ("--id", "record or prompt id")]:
         inspect.add_argument(flag, action="append", default=[], help=f"only this {what} (repeatable)")

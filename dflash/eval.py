@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 from transformers import AutoConfig, DynamicCache, PreTrainedModel, Qwen3Config
 
-from dflash.acceptance import eval_result, per_step, settings, summaries, write_eval
+from dflash.acceptance import decodings, eval_result, per_step, settings, summaries, write_eval
 from dflash.chat import render, stop_token_ids
 from dflash.drafter import DFlashDraftModel, TargetIO, load_drafter
 from dflash.hidden import capture_layers, decoder_layers, forward_features
@@ -222,12 +222,13 @@ def load_target(target_dir: Path, cfg: dict) -> PreTrainedModel:
     return target_model(target_dir, "auto").to(device)
 
 
-def encode_prompts(prompts: list[dict], tokenizer) -> list[list[int]]:
-    """Each held-out prompt rendered as the pipeline renders its training prompts, as token ids."""
+def encode_prompts(prompts: list[dict], tokenizer, thinking: bool = True) -> list[list[int]]:
+    """Each held-out prompt rendered as the pipeline renders its training prompts, as token ids;
+    ``thinking=False``: with the template's empty think block instead."""
     encoded = []
     for prompt in prompts:
         try:
-            text = render(prompt["messages"], prompt.get("tools"), tokenizer, thinking=True)
+            text = render(prompt["messages"], prompt.get("tools"), tokenizer, thinking=thinking)
         except ValueError as e:
             raise ValueError(f"held-out prompt {prompt['id']}: {e}") from None
         encoded.append(tokenizer.encode(text, add_special_tokens=False))
@@ -367,14 +368,15 @@ def check_drafter(config: Qwen3Config, target_config, drafter_dir: Path, block_s
         raise ValueError(f"drafter {drafter_dir} does not fit target: " + "; ".join(problems))
 
 
-DRAFTERS = ("trained", "untrained")
+DRAFTERS = ("trained", "untrained", "thinking_off")
 
 
 def decode_heldout(checkpoint: Path | Qwen3Config, target_dir: Path, heldout: Path, cfg: dict, drafter: str,
                    server_logs: Path | None = None, part: int = 0) -> dict:
     """The held-out prompts decoded with the trained drafter of ``checkpoint`` or, for scale, an
     untrained one with its config (``drafter``: "trained" or "untrained"; an untrained one may be
-    given its config instead, so that it decodes while the drafter trains): :func:`evaluate`'s
+    given its config instead, so that it decodes while the drafter trains; "thinking_off": the
+    trained one on the prompts rendered with thinking off): :func:`evaluate`'s
     result, each sample with its ``output_ids`` and ``steps``. With ``engine: vllm`` the server's
     log goes to ``server_logs``. ``part``: of ``eval.jobs`` jobs sharing the prompts, this one
     decodes every jobs-th prompt from the part-th (:func:`dflash.acceptance.merge_parts` joins them)."""
@@ -394,7 +396,7 @@ def decode_heldout(checkpoint: Path | Qwen3Config, target_dir: Path, heldout: Pa
                          f"lower eval.jobs")
     prompts = prompts[part::cfg["jobs"]]
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    prompt_ids = encode_prompts(prompts, tokenizer)
+    prompt_ids = encode_prompts(prompts, tokenizer, thinking=drafter != "thinking_off")
     if cfg["engine"] != "vllm":
         return evaluate(target_dir, checkpoint, prompts, cfg, tokenizer, init_only=drafter == "untrained",
                         prompt_ids=prompt_ids)
@@ -409,7 +411,7 @@ def decode_heldout(checkpoint: Path | Qwen3Config, target_dir: Path, heldout: Pa
     stop_ids = stop_token_ids(tokenizer, generation_config)
     logs = Path(server_logs or Path(heldout).parent)
     logs.mkdir(parents=True, exist_ok=True)
-    if drafter == "trained":
+    if drafter != "untrained":
         return evaluate_vllm(target_dir, checkpoint, prompts, prompt_ids, cfg, stop_ids, logs, drafter)
     # the untrained baseline is a checkpoint too: the server reads drafters from folders
     with tempfile.TemporaryDirectory(dir=logs, prefix=".untrained-drafter-") as baseline:
@@ -420,12 +422,14 @@ def decode_heldout(checkpoint: Path | Qwen3Config, target_dir: Path, heldout: Pa
 
 def run_eval(checkpoint: Path, target_dir: Path, heldout: Path, out: Path, cfg: dict,
              server_logs: Path | None = None) -> dict:
-    """The eval stage in one process (the pipeline runs the two decodings as two jobs): the trained
-    drafter and an untrained one on the held-out prompts; writes the JSON report (token ids left
-    out) and returns it with each sample's ``output_ids`` and ``steps``. With ``engine: vllm`` the
-    servers' logs go to ``server_logs`` (default: beside ``out``)."""
+    """The eval stage in one process (the pipeline runs each decoding as its own jobs): the trained
+    drafter and an untrained one on the held-out prompts, and the trained one with thinking off
+    (``eval.thinking_off``); writes the JSON report (token ids left out) and returns it with each
+    sample's ``output_ids`` and ``steps``. With ``engine: vllm`` the servers' logs go to
+    ``server_logs`` (default: beside ``out``)."""
     logs = server_logs or Path(out).parent
-    trained, untrained = (decode_heldout(checkpoint, target_dir, heldout, cfg, which, logs) for which in DRAFTERS)
-    result = eval_result(trained, untrained, cfg)
+    decoded = {which: decode_heldout(checkpoint, target_dir, heldout, cfg, which, logs)
+               for which in decodings(settings(cfg))}
+    result = eval_result(decoded["trained"], decoded["untrained"], cfg, decoded.get("thinking_off"))
     write_eval(result, out)
     return result

@@ -1,7 +1,8 @@
 """``dflash inspect``: records of any stage's shard, readable in a terminal or as JSON lines.
 
 Reads prompt, completion, validated and rejected shards (``.jsonl[.zst]``), tokenized shards
-(``.safetensors`` with their ``.json`` index beside) and hidden-state shards, local or ``s3://``.
+(``.safetensors`` with their ``.json`` index beside) and hidden-state shards, local or ``s3://``;
+and the eval's report (``eval/<run>.json``): its figures per category.
 """
 from __future__ import annotations
 
@@ -177,15 +178,68 @@ def check_filters(**given: list[str]) -> None:
             raise ValueError(f"unknown --{name} {', '.join(map(repr, unknown))}; valid: {', '.join(known[name])}")
 
 
+def eval_report(path: str) -> dict | None:
+    """The eval stage's report at ``path``, or None when it is some other file."""
+    if not str(path).endswith(".json"):
+        return None
+    with local_copy(path) as local:
+        try:
+            doc = read_json(local)
+        except ValueError:
+            return None
+    return doc if isinstance(doc, dict) and {"overall", "per_category", "settings"} <= set(doc) else None
+
+
+def render_eval(report: dict, categories=()) -> str:
+    """The eval report's figures per category (``categories``: only these), each with its method."""
+    settings = report["settings"]
+    rows = [(c, e) for c, e in sorted(report["per_category"].items()) if not categories or c in categories]
+    rows += [("overall", report["overall"])] if not categories else []
+    off = report.get("thinking_off") or {}
+    untrained = report.get("untrained") or {}
+
+    def of(part: dict, cat: str) -> dict:
+        return (part.get("overall") if cat == "overall" else part.get("per_category", {}).get(cat)) or {}
+
+    def figure(e: dict, key: str) -> str:
+        return f"{e[key]:.3f}" if key in e else "-"
+
+    lines = [f"eval report: {report['overall']['prompts']} held-out prompts, max_new_tokens "
+             f"{settings.get('max_new_tokens')}, engine {settings.get('engine', 'transformers')}"]
+    for key, method in (report.get("methods") or {}).items():
+        lines.append(f"  {key}: {method}")
+    lines.append(f"  {'category':<12} {'length':>7} {'per step':>8} {'untrained':>9} {'off: length':>11} "
+                 f"{'off: per step':>13}")
+    for cat, e in rows:
+        lines.append(f"  {cat:<12} {figure(e, 'acceptance_length'):>7} {figure(e, 'acceptance_length_per_step'):>8} "
+                     f"{figure(of(untrained, cat), 'acceptance_length'):>9} "
+                     f"{figure(of(off, cat), 'acceptance_length'):>11} "
+                     f"{figure(of(off, cat), 'acceptance_length_per_step'):>13}")
+    if any("acceptance_rate_per_position" in e for _, e in rows):
+        lines.append("  acceptance rate per draft position k (thinking on | off):")
+        for cat, e in rows:
+            rates = " ".join(f"{r:.2f}" for r in e.get("acceptance_rate_per_position", []))
+            off_rates = " ".join(f"{r:.2f}" for r in of(off, cat).get("acceptance_rate_per_position", []))
+            lines.append(f"    {cat:<12} {rates}" + (f" | {off_rates}" if off_rates else ""))
+        lines.append("  verify steps by draft tokens accepted, 0 to block size - 1 (thinking on):")
+        for cat, e in rows:
+            lines.append(f"    {cat:<12} " + " ".join(str(n) for n in e.get("accepted_length_histogram", [])))
+    return "\n".join(lines)
+
+
 def inspect(path: str, categories=(), reasons=(), flags=(), ids=(), limit: int | None = 10, as_json: bool = False,
             full: bool = False, tokenizer=None, out=None, ids_seen: set | None = None) -> tuple[int, int]:
     """Print the matching records of a shard (at most ``limit``; None for all). Returns (how many
     were shown, how many match): the shard is read to its end to count them. ``ids_seen``: gets
     each of ``ids`` that some record has, whatever the other filters (to tell a wrong id from one
-    that other filters leave out)."""
+    that other filters leave out). An eval report prints its figures (one entry)."""
     import sys
 
     out = out or sys.stdout
+    if (report := eval_report(path)) is not None:
+        out.write((json.dumps({k: v for k, v in report.items() if k != "samples"}) if as_json
+                   else terminal_safe(render_eval(report, categories))) + "\n")
+        return 1, 1
     shown = matched = 0
     for head, whole in read_entries(path):
         if ids_seen is not None:

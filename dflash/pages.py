@@ -232,6 +232,7 @@ def render_html(s: dict) -> str:
          **({"untrained": [plain(cat) for cat, _ in rows]} if untrained else {})},
         "held-out prompts of each category", "tokens per target forward", baseline=(1.0, "1.0 = no speed-up"),
         height=290) + "</div>"
+    positions = _positions_html(rows, ev.get("thinking_off"))
     loss = loss_svg(tr["curve"])
     engine = " through vLLM (eval.engine: vllm)" if ev.get("engine") == "vllm" else ""
     serving = _serving_html(s.get("serving"))
@@ -249,10 +250,52 @@ def render_html(s: dict) -> str:
 forward, the prefill included (1.0 = no speed-up): what the drafter saves. <b>Per verify step</b>: 1 + accepted
 draft tokens per verify step, the prefill left out: the "mean acceptance length" vLLM reports and the papers' tau;
 compare published figures with this one.</p>{acceptance}
+{positions}
 <h2>Serving it</h2>{serving}
 {_generation_html(s.get("generation"), s.get("plan"))}
 {_plan_html(s.get("pilot"), s.get("plan"))}
 """, s.get("about"), None, (QA_PAGE, "completion quality (QA)"))
+
+
+def _positions_html(rows: list[tuple[str, dict]], thinking_off: dict | None) -> str:
+    """Per category: how often each draft position is accepted and how many drafted tokens each
+    verify step accepts; thinking off beside thinking on (eval files before these figures: none)."""
+    rows = [(cat, e) for cat, e in rows if "acceptance_rate_per_position" in e]
+    if not rows:
+        return ""
+
+    def off(cat: str) -> dict:
+        return ((thinking_off or {}).get("overall") if cat == "overall"
+                else (thinking_off or {}).get("per_category", {}).get(cat)) or {}
+
+    table = ""
+    if thinking_off:
+        table = _table(["category", "thinking on: acceptance length", "thinking off", "on: per verify step", "off",
+                        "off / on"], [
+            [cat, f"{e['acceptance_length']:.3f}", f"{off(cat)['acceptance_length']:.3f}" if off(cat) else "-",
+             f"{e['acceptance_length_per_step']:.3f}",
+             f"{off(cat)['acceptance_length_per_step']:.3f}" if off(cat) else "-",
+             f"{off(cat)['acceptance_length'] / e['acceptance_length']:.2f}" if off(cat) else "-"]
+            for cat, e in rows])
+    charts = []
+    for cat, e in rows:
+        rates = e["acceptance_rate_per_position"]
+        series = {"thinking on": rates}
+        if off(cat).get("acceptance_rate_per_position"):
+            series["thinking off"] = (off(cat)["acceptance_rate_per_position"] + [None] * len(rates))[:len(rates)]
+        charts.append(bars_svg(f"{cat}: acceptance rate per draft position", [str(k + 1) for k in range(len(rates))],
+                               series, "draft position k (accepted / drafted at k)", "acceptance rate"))
+        histogram = e["accepted_length_histogram"]
+        charts.append(bars_svg(f"{cat}: draft tokens accepted per verify step (n={fmt(sum(histogram))})",
+                               [str(n) for n in range(len(histogram))], {"verify steps": histogram},
+                               "draft tokens accepted (n + 1 tokens yielded)", "verify steps"))
+    off_note = ("<b>Thinking off</b>: the trained drafter on the same held-out prompts rendered with "
+                "<code>enable_thinking: false</code>; drafters trained on thinking traces are known to accept less there."
+                if thinking_off else "Thinking off was not decoded (<code>eval.thinking_off: false</code>).")
+    return f"""<h2>Acceptance per draft position</h2>
+<p><b>Acceptance rate at position k</b>: of the verify steps that drafted a k-th token, the share that accepted it
+(it and every drafted token before it matched the target's greedy ones). <b>Histogram</b>: verify steps by the
+number of drafted tokens they accepted (thinking on). {off_note}</p>{table}<div class="plots">{"".join(charts)}</div>"""
 
 
 def _generation_html(g: dict | None, plan: dict | None) -> str:

@@ -9,6 +9,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
+from dflash.acceptance import decodings
 from dflash.hidden_cache import text_config
 from dflash.io import read_json
 from dflash.units import human_bytes, human_duration
@@ -162,7 +163,7 @@ def _jobs(config: dict, shards: int) -> dict[str, int]:
     return {"prompts": 1, "generate": shards, "validate": shards, "tokenize": shards,
             **({"serve": math.ceil(shards / launch["shards_per_server"])} if launch else {}),
             **({"hidden": shards} if config["train"]["hidden_states"] != "online" else {}),
-            "train": 1, "eval_decode": 2 * config["eval"]["jobs"], "eval": 1, "qa_summary": 1, "gate": 1, "report": 1}
+            "train": 1, "eval_decode": len(decodings(config["eval"])) * config["eval"]["jobs"], "eval": 1, "qa_summary": 1, "gate": 1, "report": 1}
 
 
 def _count(x: float) -> str:

@@ -63,7 +63,7 @@ def summarize(config: dict, manifest: Path, qa_summary: Path, gates: Path, check
             "final_loss": train_log[-1]["loss"] if train_log else None,
             "curve": [[e["step"], e["loss"]] for e in train_log],
         },
-        "eval": {**{k: evaluation[k] for k in ("overall", "per_category", "untrained") if k in evaluation},
+        "eval": {**{k: evaluation[k] for k in ("overall", "per_category", "untrained", "thinking_off") if k in evaluation},
                  "engine": evaluation.get("settings", {}).get("engine", "transformers")},
         "serving": _serving(config, checkpoint),
         "durability": _durability(durability) if durability is not None else None,

@@ -1,11 +1,12 @@
 rule eval_decode:
     """Greedy speculative decoding of the held-out prompts with the trained drafter, or for scale
-    an untrained one of the same config; part {part} of eval.jobs that share the prompts. The
+    an untrained one of the same config, or the trained one with thinking off (eval.thinking_off);
+    part {part} of eval.jobs that share the prompts. The
     untrained one needs only the config (the drafter section, the target's sizes) and the gates'
     verdicts (no eval of data the gates stopped): it decodes while the drafter trains, on the core
     training leaves."""
     input:
-        checkpoint=lambda wildcards: f"{OUT}/checkpoints/{wildcards.run}" if wildcards.drafter == "trained" else [],
+        checkpoint=lambda wildcards: f"{OUT}/checkpoints/{wildcards.run}" if wildcards.drafter != "untrained" else [],
         gates=ancient(f"{OUT}/qa/gates.json"),
         target=TARGET_INPUT,
         heldout=lambda wildcards: prompt_file("heldout.jsonl.zst"),
@@ -23,7 +24,7 @@ rule eval_decode:
     benchmark:
         f"{BENCH}/eval/{{run}}.{{drafter}}.{{part}}.tsv"
     wildcard_constraints:
-        drafter="trained|untrained",
+        drafter="trained|untrained|thinking_off",
         part=r"\d+",
     conda:
         "../envs/torch.yaml"
@@ -33,10 +34,12 @@ rule eval_decode:
 
 rule eval:
     """Acceptance length per category, trained against untrained, from the two decodings (which
-    must agree token for token: speculative decoding is lossless), each joined from its parts."""
+    must agree token for token: speculative decoding is lossless), each joined from its parts; and
+    with thinking off (eval.thinking_off)."""
     input:
         trained=lambda wildcards: eval_parts(wildcards.run, "trained"),
         untrained=lambda wildcards: eval_parts(wildcards.run, "untrained"),
+        thinking_off=lambda wildcards: eval_parts(wildcards.run, "thinking_off") if config["eval"]["thinking_off"] else [],
     output:
         f"{OUT}/eval/{{run}}.json",
     params:

@@ -7,5 +7,6 @@ from dflash.io import read_json  # noqa: E402
 
 i = snakemake.input
 cfg = {**snakemake.params.eval, "fast_kernels": snakemake.config["target"]["fast_kernels"]}  # as the decodings had it
-trained, untrained = (merge_parts([read_json(path) for path in paths]) for paths in (i.trained, i.untrained))
-write_eval(eval_result(trained, untrained, cfg), snakemake.output[0])
+trained, untrained, thinking_off = (merge_parts([read_json(path) for path in paths]) if paths else None
+                                    for paths in (i.trained, i.untrained, i.thinking_off))
+write_eval(eval_result(trained, untrained, cfg, thinking_off), snakemake.output[0])

@@ -106,7 +106,7 @@ def small_run_config(work: Path, demo_sources: list[dict], target_dir: Path | No
     """The demo config cut to a quick run in ``work``, written to work/config.yaml: ``train`` and
     ``heldout`` conversations of each category, a one-layer drafter, every check a flag (a briefly
     taught target writes little that passes, and every stage needs data), no length or tool gates, no
-    pilot unless ``pilot`` (its config section) is given. ``target_dir``: an already built target
+    pilot unless ``pilot`` (its config section) is given, no thinking-off decoding. ``target_dir``: an already built target
     (none: the run builds the demo's); ``generate``: overrides of the generate section."""
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
     cfg["prompts"] = {"shard_size": shard_size, "sources": demo_slice(demo_sources, work, train=train, heldout=heldout)}
@@ -118,7 +118,7 @@ def small_run_config(work: Path, demo_sources: list[dict], target_dir: Path | No
     cfg["gates"] = {"max_trivial_share": None, "min_median_trainable_tokens": None, "min_tool_call_share": None}
     cfg["drafter"] = {"num_layers": 1, "target_layer_ids": [1, 3], "block_size": 4}
     cfg["train"] = {"steps": train_steps, "batch_size": 2}
-    cfg["eval"] = {"max_new_tokens": eval_tokens}
+    cfg["eval"] = {"max_new_tokens": eval_tokens, "thinking_off": False}  # one decoding less (the shared run has it)
     cfg["pilot"] = pilot or {"enabled": False}
     (work / "config.yaml").write_text(yaml.safe_dump(cfg))
     return cfg
@@ -136,7 +136,7 @@ def pipeline(tmp_path_factory, demo_sources):
     config = small_run_config(work, demo_sources, train=8, heldout=2, shard_size=12, max_tokens=24, train_steps=4,
                               eval_tokens=8, pilot={"min_per_category": 4})
     config["target"]["build"]["teach"]["steps"] = 20
-    config["eval"]["jobs"] = 2  # as the demo: each decoding in two jobs
+    config["eval"].update(jobs=2, thinking_off=True)  # as the demo: each decoding in two jobs, thinking off too
     (work / "config.yaml").write_text(yaml.safe_dump(config))
     out = snakemake(work, "--cores", "2")
     return work, out

@@ -54,6 +54,9 @@ ALONE = {
     "validate_throughput.py": (["--records", "200", "--shard-size", "100", "--rounds", "1"],
                                r"^ratio validate / floor, same cut: median [\d.]+ of 1 rounds", None),
     "validation_quality.py": ([], r"^overall +\d+ +\d+ +\d+ +\d+ +\d+ +\d+ +\d+ +[\d.]+% ", None),
+    # the prompts and config only: the whole build is `make scale-data` (40 minutes)
+    "scale_data.py": (["--train", "40", "--heldout", "8", "--out", "{tmp}/scale", "--prompts-only"],
+                      r"^prompts: 48 \(chat train 10, chat heldout 2, code train 10, .*tool heldout 2\); config ", None),
 }
 ALONE_SLOW = {  # 5 to 20 s each
     "tokenize_throughput.py": (["--records", "10", "--rounds", "1", "--specforge-python", "absent/python"],
@@ -72,7 +75,7 @@ ALONE_SLOW = {  # 5 to 20 s each
                             "--output-tokens", "16"], r"^ours / bare, CPU-seconds per 1,000 requests: [\d.]+",
                            None),
 }
-ON_THE_RUN = ("eval_vs_reference.py", "stage_costs.py", "train_equal_steps.py", "forecast_accuracy.py")
+ON_THE_RUN = ("eval_vs_reference.py", "stage_costs.py", "train_equal_steps.py", "scale_curve.py", "forecast_accuracy.py")
 HELP_ONLY = ("demo_time.py",)
 
 
@@ -141,6 +144,16 @@ def test_train_equal_steps_on_a_finished_run(pipeline, tmp_path):
                      "--steps", "2", "--speculators-python", "absent/python")
     assert LEFT_OUT in err
     figure(r"^\| dflash-pipeline \| 0 \| [\d.]+ \| [\d.]+ \|", out)
+    # a point of the data curve: the first shard's rows, each seen twice, the figures as JSON
+    bench("train_equal_steps.py", "--results", str(res), "--config", str(work / "config.yaml"), "--rows", "1",
+          "--epochs", "2", "--batch-size", "2", "--json-out", str(tmp_path / "point.json"),
+          "--speculators-python", "absent/python")
+    point = json.loads((tmp_path / "point.json").read_text())
+    assert point["shards"] == 1 and point["steps"] == point["rows"] > 0 and point["rows_per_step"] == 2
+    assert [(r["trainer"], r["seed"]) for r in point["runs"]] == [("dflash-pipeline", 0)]
+    out, _ = bench("scale_curve.py", str(tmp_path / "point.json"), "--chart-dir", str(tmp_path / "charts"))
+    figure(rf"^\| dflash-pipeline \| 1 \| [\d.]+ \| [\d.]+ to [\d.]+ \|", out)
+    assert "<svg" in (tmp_path / "charts" / "curve-hybrid.svg").read_text()
     # speculators' rows (what its side trains on), made from the run with the run's drafter config
     from safetensors.torch import load_file
 
@@ -148,7 +161,8 @@ def test_train_equal_steps_on_a_finished_run(pipeline, tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     hidden = [res / "hidden" / p.name for p in sorted((res / "tokenized").glob("shard-*.safetensors"))]
-    module.speculators_data(res, res / "target", hidden, res / "checkpoints" / "demo", tmp_path)
+    module.speculators_data(sorted((res / "tokenized").glob("shard-*.safetensors")), res / "target", hidden,
+                            res / "checkpoints" / "demo", tmp_path)
     rows = load_file(tmp_path / "rows.safetensors")
     assert rows["offsets"][-1] == len(rows["input_ids"]) == len(rows["aux"]) == len(rows["last"]) > 0
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,16 +10,18 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from dflash.drafter import TargetIO, load_drafter
-from dflash.acceptance import merge_parts
-from dflash.eval import evaluate, speculative_generate, untrained_drafter
+from dflash.acceptance import merge_parts, position_figures
+from dflash.eval import encode_prompts, evaluate, speculative_generate, untrained_drafter
 from dflash.chat import stop_token_ids
 from dflash.hidden import decoder_layers, forward_features
 from dflash.train import train
 from test_drafter import reference  # noqa: F401 - the fixture with the reference wheel's model.py
 from test_train import LAYER_IDS, TRAIN_CFG, make_target, write_shards
+
+DEMO_TARGET = Path(__file__).resolve().parents[1] / "data" / "demo" / "target"
 
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
@@ -197,6 +200,30 @@ def test_trained_drafter_beats_untrained(tiny_target_dir, tokenizer, answers, tr
     assert overall["drafts"] == sum(len(s["steps"]) for s in trained["samples"])
     assert overall["acceptance_length_per_step"] == pytest.approx(1 + overall["accepted_draft_tokens"] / overall["drafts"])
     assert overall["acceptance_length_per_step"] > overall["acceptance_length"]
+    # every verify step once in the histogram, at the draft tokens it accepted
+    histogram = overall["accepted_length_histogram"]
+    rates = overall["acceptance_rate_per_position"]
+    assert sum(histogram) == overall["drafts"] and len(histogram) == len(rates) + 1 == load_drafter(
+        trained_drafter)[1].block_size
+    assert sum(n * count for n, count in enumerate(histogram)) == overall["accepted_draft_tokens"]
+    assert 0 < rates[-1] <= rates[0] <= 1
+
+
+def test_position_figures_count_each_verify_step_where_it_drafted():
+    """Position k's rate: steps that accepted k drafted tokens or more / steps that drafted k; a
+    step cut short by max_new_tokens counts only at the positions it drafted."""
+    samples = [{"steps": [(3, 3), (3, 1), (3, 0)]}, {"steps": [(3, 2), (1, 1)]}]
+    figures = position_figures(samples)
+    assert figures["acceptance_rate_per_position"] == [4 / 5, 2 / 4, 1 / 4]
+    assert figures["accepted_length_histogram"] == [1, 2, 1, 1]
+    assert position_figures([]) == {"acceptance_rate_per_position": [], "accepted_length_histogram": [0]}
+
+
+def test_thinking_off_renders_the_empty_think_block():
+    """The thinking-off decoding reads the same prompts with the template's empty think block."""
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_TARGET)
+    on, off = (tokenizer.decode(encode_prompts(PROMPTS[:1], tokenizer, thinking=t)[0]) for t in (True, False))
+    assert on.endswith("<|im_start|>assistant\n<think>\n") and off == on + "\n</think>\n\n"
 
 
 def test_a_decoding_shared_by_jobs_joins_into_the_whole(tiny_target_dir, tokenizer, trained_drafter):

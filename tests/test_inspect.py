@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from dflash.acceptance import eval_result, summaries, write_eval
 from dflash.cli import main
 from dflash.io import read_jsonl, write_jsonl_zst
 from dflash.tokenize import tokenize_shard
@@ -125,3 +126,27 @@ def test_escape_sequences_in_records_are_shown_not_acted_on(tmp_path, capsys):
     assert rc == 0 and json.loads(out)["content"].endswith(HOSTILE)
     for shown in (inspect(capsys, tmp_path / "c.jsonl.zst")[1], out):
         assert not {"\x1b", "\x07", "\r", "\x9b", "\u202e"} & set(shown)
+
+
+def test_an_eval_report_prints_its_figures_per_category(tmp_path, capsys):
+    """The eval's JSON: acceptance per category with thinking off beside on, the rate per draft
+    position and the accepted-length histogram, each figure's method named."""
+    def sample(category: str, steps: list[tuple[int, int]]) -> dict:
+        return {"id": category, "category": category, "tokens": sum(a + 1 for _, a in steps) + 1,
+                "target_forwards": len(steps) + 1, "drafts": len(steps), "accepted_draft_tokens": sum(a for _, a in steps),
+                "output_ids": [1] * (sum(a + 1 for _, a in steps) + 1), "steps": steps}
+
+    decoded = summaries([sample("chat", [(3, 3), (3, 1)]), sample("code", [(3, 0), (3, 2)])])
+    plain = summaries([{**s, "steps": [(3, 0)] * 4, "accepted_draft_tokens": 0, "target_forwards": s["tokens"]}
+                       for s in decoded["samples"]])
+    off = summaries([sample("chat", [(3, 0)]), sample("code", [(3, 1)])])
+    write_eval(eval_result(decoded, plain, {"max_new_tokens": 16}, off), tmp_path / "demo.json")
+    rc, out, err = inspect(capsys, tmp_path / "demo.json")
+    assert rc == 0 and err.endswith("1 of 1 shown\n")
+    assert "acceptance_rate_per_position: per draft position k: verify steps that accepted position k" in out
+    lines = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("  chat", "  overall"))}
+    assert lines["chat"] == ["chat", "2.333", "3.000", "1.000", "1.000", "1.000"]  # length, per step, untrained, off
+    assert "    chat         1.00 0.50 0.50 | 0.00 0.00 0.00" in out  # rate per position, thinking on | off
+    assert "    code         1 0 1 0" in out  # verify steps by draft tokens accepted: 0, 1, 2, 3
+    rc, out, _ = inspect(capsys, tmp_path / "demo.json", "--category", "code", "--json")
+    assert json.loads(out)["thinking_off"]["per_category"]["code"]["acceptance_rate_per_position"] == [1.0, 0.0, 0.0]

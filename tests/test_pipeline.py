@@ -64,6 +64,12 @@ def test_whole_chain_runs_and_writes_every_stage(pipeline):
     ev = read_json(res / "eval" / "demo.json")
     assert set(ev["per_category"]) == {"chat", "code", "reasoning", "tool"}
     assert ev["overall"]["acceptance_length"] >= 1.0
+    # thinking off beside thinking on, and the figures per draft position, each named with its method
+    assert set(ev["thinking_off"]["per_category"]) == set(ev["per_category"]) and set(ev["methods"]) >= {
+        "acceptance_length", "acceptance_length_per_step", "acceptance_rate_per_position", "accepted_length_histogram"}
+    for figures in (ev["overall"], ev["thinking_off"]["overall"]):
+        assert sum(figures["accepted_length_histogram"]) == figures["drafts"] > 0
+        assert len(figures["acceptance_rate_per_position"]) == len(figures["accepted_length_histogram"]) - 1
     summary = read_json(res / "report" / "summary.json")
     assert summary["validate"]["records"] == 32 and summary["tokenized"]["rows"] > 0
     assert "Acceptance length" in (res / "report" / "summary.html").read_text()
@@ -73,7 +79,8 @@ def test_whole_chain_runs_and_writes_every_stage(pipeline):
     assert "report: results/report/summary.html" in tail
     assert "Output length per category" in (res / "report" / "qa.html").read_text()
     for rule in ("prompts", "target", "train/demo", "eval/demo", "eval/demo.trained.0", "eval/demo.trained.1",
-                 "eval/demo.untrained.0", "eval/demo.untrained.1", "report", "gate", "qa_summary", "qa_report"):
+                 "eval/demo.untrained.0", "eval/demo.untrained.1", "eval/demo.thinking_off.0",
+                 "eval/demo.thinking_off.1", "report", "gate", "qa_summary", "qa_report"):
         assert (res / "logs" / f"{rule}.log").exists(), rule
 
 

@@ -178,7 +178,8 @@ def test_the_rtx_plan_puts_each_gpu_stage_on_the_rtx_partition(tmp_path):
     blocks = {}
     for block in run.stdout.split("rule ")[1:]:
         blocks.setdefault(block.split(":")[0].split()[-1], []).append(block)
-    assert [len(blocks[r]) for r in ("hidden", "eval_decode", "train", "pilot_hidden", "pilot_train")] == [3, 2, 1, 1, 1]
+    # the eval: trained, untrained and thinking off (eval.thinking_off), one job each
+    assert [len(blocks[r]) for r in ("hidden", "eval_decode", "train", "pilot_hidden", "pilot_train")] == [3, 3, 1, 1, 1]
     for rule, mem, runtime in [("hidden", 100000, 480), ("eval_decode", 100000, 120), ("train", 400000, 4320),
                                ("pilot_hidden", 100000, 480), ("pilot_train", 100000, 480)]:
         for block in blocks[rule]:

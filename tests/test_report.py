@@ -101,9 +101,12 @@ def report_pages(qa_summary, tmp_path):
     (ckpt / "train_log.jsonl").write_text("".join(json.dumps({"step": s, "loss": l}) + "\n" for s, l in [(10, 6.0), (20, 4.5)]))
     ev = tmp_path / "eval.json"
     summary = {"acceptance_length": 1.5, "acceptance_length_per_step": 1.8, "prompts": 1, "tokens": 9,
-               "target_forwards": 6}
+               "target_forwards": 6, "acceptance_rate_per_position": [0.6, 0.25, 0.125],
+               "accepted_length_histogram": [2, 2, 0, 1]}
+    off = {**summary, "acceptance_length": 1.2, "acceptance_rate_per_position": [0.3, 0.1, 0.0]}
     write_json(ev, {"overall": summary, "per_category": {"chat": summary},
-                    "untrained": {"overall": {**summary, "acceptance_length": 1.1}, "per_category": {}}})
+                    "untrained": {"overall": {**summary, "acceptance_length": 1.1}, "per_category": {}},
+                    "thinking_off": {"overall": off, "per_category": {"chat": off}}})
     bench = tmp_path / "benchmarks"
     for path, seconds, rss in [("train/r1.tsv", 30, 900), ("generate/00000.tsv", 12, 400),
                                ("generate/00001.tsv", 8, 500), ("prompts.tsv", 1.5, "NA")]:
@@ -147,6 +150,9 @@ def test_report_aggregates_every_stage(report_pages):
     assert "&quot;num_speculative_tokens&quot;: 7" in page and "--speculative-num-draft-tokens 8" in page
     assert "acceptance length per category" in page and "<td>train</td><td>1</td><td>30 s</td><td>58.3%</td>" in page
     assert "524.3 MB" in page  # generate's peak memory, in human units
+    # per category: the rate per draft position (thinking on and off) and the accepted-length histogram
+    assert "chat: acceptance rate per draft position" in page and "chat: draft tokens accepted per verify step" in page
+    assert "<td>chat</td><td>1.500</td><td>1.200</td><td>1.800</td><td>1.800</td><td>0.80</td>" in page
     assert json.loads((pages / "summary.json").read_text()) == s
 
 

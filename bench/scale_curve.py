@@ -1,0 +1,80 @@
+"""The scale table and the data curve from ``train_equal_steps.py --json-out`` files.
+
+Each file is one invocation: one target (hybrid or ``qwen3``), one data size (rows), every
+trainer and seed it ran. This groups them by target and rows and prints, per trainer, the mean
+over seeds of the acceptance length overall and per category, with the spread (lowest to highest
+seed) overall; then ours against the best of the other trainers (overall, in percent, and the
+category where ours is furthest behind). ``--chart-dir``: one SVG per target, acceptance length
+(overall, mean over seeds) against rows, a bar per trainer.
+
+Usage: .venv/bin/python bench/scale_curve.py RUN.json [RUN.json ...] [--chart-dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+
+from dflash.charts import bars_svg
+
+OURS = "dflash-pipeline"
+
+
+def grouped(files: list[Path]) -> dict[tuple[str, int], dict[str, list[dict]]]:
+    """(target, rows) -> trainer -> its runs (one a seed)."""
+    out: dict[tuple[str, int], dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for path in files:
+        point = json.loads(path.read_text())
+        for run in point["runs"]:
+            out[point["target"], point["rows"]][run["trainer"]].append(run)
+    return out
+
+
+def figures(runs: list[dict], categories: list[str]) -> dict:
+    overall = [r["overall"]["acceptance_length"] for r in runs]
+    return {"overall": mean(overall), "low": min(overall), "high": max(overall), "seeds": len(runs),
+            **{c: mean(r["per_category"][c]["acceptance_length"] for r in runs) for c in categories}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("files", nargs="+", type=Path)
+    ap.add_argument("--chart-dir", type=Path)
+    a = ap.parse_args()
+    points = grouped(a.files)
+    curves: dict[str, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+    for (target, rows), trainers in sorted(points.items()):
+        categories = sorted(next(iter(trainers.values()))[0]["per_category"])
+        table = {name: figures(runs, categories) for name, runs in trainers.items()}
+        print(f"\n{target} target, {rows:,} rows (acceptance length, mean of seeds; spread: lowest to highest seed)")
+        print(f"| trainer | seeds | overall | spread | {' | '.join(categories)} |")
+        print("| --- " * (len(categories) + 4) + "|")
+        for name, f in table.items():
+            curves[target][name][rows] = f["overall"]
+            print(f"| {name} | {f['seeds']} | {f['overall']:.3f} | {f['low']:.3f} to {f['high']:.3f} | "
+                  + " | ".join(f"{f[c]:.3f}" for c in categories) + " |")
+        others = {name: f for name, f in table.items() if name != OURS}
+        if OURS in table and others:
+            best_name, best = max(others.items(), key=lambda item: item[1]["overall"])
+            ours = table[OURS]
+            behind = min(categories, key=lambda c: ours[c] - best[c])
+            print(f"ours - best other ({best_name}): {ours['overall'] - best['overall']:+.3f} "
+                  f"({(ours['overall'] / best['overall'] - 1) * 100:+.1f}%) overall; furthest behind in "
+                  f"{behind}: {ours[behind] - best[behind]:+.3f}")
+    if a.chart_dir:
+        a.chart_dir.mkdir(parents=True, exist_ok=True)
+        for target, trainers in curves.items():
+            sizes = sorted({rows for by_rows in trainers.values() for rows in by_rows})
+            svg = bars_svg(f"{target} target: acceptance length by rows trained on (<= 2 epochs, mean of seeds)",
+                           [f"{rows:,} rows" for rows in sizes],
+                           {name: [by_rows.get(rows) for rows in sizes] for name, by_rows in trainers.items()},
+                           "rows of the data set", "tokens per target forward", baseline=(1.0, "1.0 = no speed-up"),
+                           height=320)
+            (a.chart_dir / f"curve-{target}.svg").write_text(svg)
+            print(f"chart: {a.chart_dir / f'curve-{target}.svg'}")
+
+
+if __name__ == "__main__":
+    main()
