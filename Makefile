@@ -36,8 +36,8 @@ demo: install
 demo-target: install
 	$(BIN)/dflash target --threads 2 --out data/demo/target --teach
 
-# The scale benches' data set (bench/scale_data.py): about 6,000 prompts through the pipeline to the
-# hidden stage with the demo target, into .cache/scale; about 40 minutes on 2 cores, reused after.
+# The scale benches' data set (bench/scale_data.py): 32,000 prompts through the pipeline to the
+# hidden stage with the demo target, into .cache/scale; about 70 minutes on 2 cores, reused after.
 scale-data: install
 	$(BIN)/python bench/scale_data.py --out .cache/scale --cores $(CORES)
 

@@ -70,7 +70,9 @@ def served(qwen3_target, demo_config, demo_sources, tmp_path_factory):
     command = shlex.join(command) + (" --no-enable-prefix-caching --generation-config vllm --speculative-config "
                                      "{speculative_config} --per-request-spec-decode-metrics detailed")
     engine = run_eval(work / "drafter", qwen3_target, work / "heldout.jsonl.zst", work / "vllm.json",
-                      {**cfg_eval, "engine": "vllm", "vllm": {"command": command, "env": env, "concurrency": 4}},
+                      # thinking off: the trained drafter's server again on other prompt ids (ours decodes it)
+                      {**cfg_eval, "engine": "vllm", "thinking_off": False,
+                       "vllm": {"command": command, "env": env, "concurrency": 4}},
                       server_logs=work / "logs")
     print(f"{time.perf_counter() - t0:.0f} s: evaluated in process and through vLLM")
     return {"ours": ours, "vllm": engine, "heldout": heldout, "tokenizer": tokenizer, "target": target, "work": work}
@@ -93,6 +95,8 @@ def test_vllm_serves_the_trained_drafter_and_sees_our_acceptance(served, vllm):
     # Every output is plain greedy decoding: vLLM with the drafter (trained and untrained: run_eval
     # checks they agree), our eval, and vLLM without a drafter decode the same tokens.
     assert [s["output_ids"] for s in engine["samples"]] == [s["output_ids"] for s in ours["samples"]]
+    # run_eval decodes thinking off too unless told not to (eval.thinking_off)
+    assert ours["thinking_off"]["overall"]["drafts"] > 0 and "thinking_off" not in engine
     ids = encode_prompts(served["heldout"], served["tokenizer"])
     stop = sorted(stop_token_ids(served["tokenizer"], served["target"].generation_config))
     ours_ids = evaluate(served["work"] / "none", None, served["heldout"], {"max_new_tokens": EVAL_TOKENS, "device": "cpu"},
