@@ -7,6 +7,7 @@ import time
 
 from snakemake.utils import min_version, validate
 
+from dflash.acceptance import DECODINGS
 from dflash.config import (ConfigError, check_config, demo_sized_problem, read_config_yaml, read_yaml,
                            schema_path)
 from dflash.dialects import DIALECTS

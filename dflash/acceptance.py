@@ -78,11 +78,14 @@ def summarize(samples: list[dict]) -> dict:
             "forwards_saved_share": (tokens - forwards) / tokens if tokens else 0.0, **position_figures(samples)}
 
 
+# The eval's decodings of the held-out prompts, each ``eval.jobs`` jobs: the trained drafter, an
+# untrained one for scale, the trained one on the prompts rendered without thinking.
+DECODINGS = ("trained", "untrained", "thinking_off")
+
+
 def decodings(cfg: dict) -> tuple[str, ...]:
-    """The eval's decodings of the held-out prompts, each ``eval.jobs`` jobs: the trained drafter,
-    an untrained one for scale, and with ``eval.thinking_off`` the trained one on the prompts
-    rendered without thinking."""
-    return ("trained", "untrained", *(("thinking_off",) if cfg["thinking_off"] else ()))
+    """The decodings the eval settings ``cfg`` ask for (thinking off with ``eval.thinking_off``)."""
+    return tuple(d for d in DECODINGS if d != "thinking_off" or cfg["thinking_off"])
 
 
 def settings(cfg: dict) -> dict:

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 from transformers import AutoConfig, DynamicCache, PreTrainedModel, Qwen3Config
 
-from dflash.acceptance import decodings, eval_result, per_step, settings, summaries, write_eval
+from dflash.acceptance import DECODINGS, decodings, eval_result, per_step, settings, summaries, write_eval
 from dflash.chat import render, stop_token_ids
 from dflash.drafter import DFlashDraftModel, TargetIO, load_drafter
 from dflash.hidden import capture_layers, decoder_layers, forward_features
@@ -368,9 +368,6 @@ def check_drafter(config: Qwen3Config, target_config, drafter_dir: Path, block_s
         raise ValueError(f"drafter {drafter_dir} does not fit target: " + "; ".join(problems))
 
 
-DRAFTERS = ("trained", "untrained", "thinking_off")
-
-
 def decode_heldout(checkpoint: Path | Qwen3Config, target_dir: Path, heldout: Path, cfg: dict, drafter: str,
                    server_logs: Path | None = None, part: int = 0) -> dict:
     """The held-out prompts decoded with the trained drafter of ``checkpoint`` or, for scale, an
@@ -385,8 +382,8 @@ def decode_heldout(checkpoint: Path | Qwen3Config, target_dir: Path, heldout: Pa
     from dflash.drafter import write_drafter_state
     from dflash.records import checked_records
 
-    if drafter not in DRAFTERS:
-        raise ValueError(f"drafter must be one of {DRAFTERS}, not {drafter!r}")
+    if drafter not in DECODINGS:
+        raise ValueError(f"drafter must be one of {DECODINGS}, not {drafter!r}")
     cfg = settings(cfg)
     prompts = [rec for _, rec in checked_records(heldout, "prompt", "eval reads the heldout.jsonl.zst of the prompts stage")]
     if not prompts:

@@ -24,7 +24,7 @@ rule eval_decode:
     benchmark:
         f"{BENCH}/eval/{{run}}.{{drafter}}.{{part}}.tsv"
     wildcard_constraints:
-        drafter="trained|untrained|thinking_off",
+        drafter="|".join(DECODINGS),
         part=r"\d+",
     conda:
         "../envs/torch.yaml"
