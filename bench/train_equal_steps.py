@@ -180,7 +180,8 @@ def leading_shards(tokenized: list[Path], rows: int | None) -> tuple[list[Path],
         if rows is not None and held >= rows:
             break
         chosen.append(path)
-        held += sum(r.get("trainable", True) for r in json.loads(path.with_suffix(".json").read_text())["rows"])
+        # an index row's "trainable" counts its supervised tokens: rows with none are skipped in training
+        held += sum(1 for r in json.loads(path.with_suffix(".json").read_text())["rows"] if r.get("trainable", True))
     if rows is not None and held < rows:
         sys.exit(f"--rows {rows}: the run's {len(tokenized)} tokenized shards hold only {held} trainable rows")
     return chosen, held
