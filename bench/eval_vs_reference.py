@@ -86,12 +86,13 @@ def cache_format(path: Path) -> str | None:
         return (f.metadata() or {}).get("format")
 
 
-def attention_only_target(results: Path, config: dict, work: Path,
-                          taught: tuple[dict, Path] | None = None) -> tuple[Path, list[Path]]:
+def attention_only_target(results: Path, config: dict, work: Path, taught: tuple[dict, Path] | None = None,
+                          tokenized: list[Path] | None = None) -> tuple[Path, list[Path]]:
     """(target folder, its hidden-state shards of the run's tokenized shards) of the full-attention
     variant (see the module docstring), built into ``work`` unless already there. ``taught``: the
     config (and the folder its paths are relative to) whose target the variant copies, for a run
-    that names its target by path (the demo's, for bench/scale_data.py's run); default the run's."""
+    that names its target by path (the demo's, for bench/scale_data.py's run); default the run's.
+    ``tokenized``: only these of the run's shards (a point of a data curve; default all)."""
     target_dir = work / "target"
     taught_config, root = taught or (config, results.resolve().parent)  # paths relative to the run's folder
     if not target_dir.exists():
@@ -103,7 +104,7 @@ def attention_only_target(results: Path, config: dict, work: Path,
                  "shards do not fit it")
     (work / "hidden").mkdir(parents=True, exist_ok=True)
     hidden = []
-    for t in sorted((results / "tokenized").glob("shard-*.safetensors")):
+    for t in tokenized or sorted((results / "tokenized").glob("shard-*.safetensors")):
         hidden.append(work / "hidden" / t.name)
         if not hidden[-1].exists() or cache_format(hidden[-1]) != HIDDEN_FORMAT:  # older caches lack greedy tokens
             capture_shard(t, hidden[-1], target_dir, layer_selection(config["drafter"]), config["hidden"]["dtype"])

@@ -3,9 +3,10 @@
 Each file is one invocation: one target (hybrid or ``qwen3``), one data size (rows), every
 trainer and seed it ran. This groups them by target and rows and prints, per trainer, the mean
 over seeds of the acceptance length overall and per category, with the spread (lowest to highest
-seed) overall; then ours against the best of the other trainers (overall, in percent, and the
-category where ours is furthest behind). ``--chart-dir``: one SVG per target, acceptance length
-(overall, mean over seeds) against rows, a bar per trainer.
+seed) overall; then ours (and each variant of ours a sweep ran, "ours (...)") against the best
+of speculators' runs (overall, in percent, and the category where ours is furthest behind).
+``--chart-dir``: one SVG per target, acceptance length (overall, mean over seeds) against rows, a
+bar per trainer.
 
 Usage: .venv/bin/python bench/scale_curve.py RUN.json [RUN.json ...] [--chart-dir DIR]
 """
@@ -55,12 +56,14 @@ def main() -> None:
             curves[target][name][rows] = f["overall"]
             print(f"| {name} | {f['seeds']} | {f['overall']:.3f} | {f['low']:.3f} to {f['high']:.3f} | "
                   + " | ".join(f"{f[c]:.3f}" for c in categories) + " |")
-        others = {name: f for name, f in table.items() if name != OURS}
-        if OURS in table and others:
+        # ours against speculators (its sweep's variants, "ours (...)", are no competitor)
+        others = {name: f for name, f in table.items() if not name.startswith(("ours", OURS))}
+        for name, ours in table.items() if others else ():
+            if name in others:
+                continue
             best_name, best = max(others.items(), key=lambda item: item[1]["overall"])
-            ours = table[OURS]
             behind = min(categories, key=lambda c: ours[c] - best[c])
-            print(f"ours - best other ({best_name}): {ours['overall'] - best['overall']:+.3f} "
+            print(f"{name} - best other ({best_name}): {ours['overall'] - best['overall']:+.3f} "
                   f"({(ours['overall'] / best['overall'] - 1) * 100:+.1f}%) overall; furthest behind in "
                   f"{behind}: {ours[behind] - best[behind]:+.3f}")
     if a.chart_dir:

@@ -31,8 +31,8 @@ limits raised for prompts the target was never taught). Validation rejects a cop
 prompt's completion within a shard (``duplicate_completion``); copies across shards are dropped
 by passes through ``validate.exclude`` (the ids of every completion whose text an earlier
 shard's kept record already has, reason ``duplicate across shards``), each re-running only the
-validate jobs of the shards holding new ones, until a pass finds none. A second call reuses what is there (Snakemake sees
-nothing stale). The benches read ``--out``/results.
+validate jobs of the shards holding new ones, until a pass finds none. A second call reuses
+what is there (Snakemake sees nothing stale). The benches read ``--out``/results.
 
 Usage: .venv/bin/python bench/scale_data.py [--out .cache/scale] [--train 32000] [--heldout 220]
     [--cores 2] [--prompts-only]   (or `make scale-data`; about 70 minutes on 2 cores)
@@ -223,9 +223,10 @@ def cross_shard_duplicates(results: Path, out: Path) -> int:
     already excluded, all but the first of each text in shard order. The rejected copies count
     because excluding a kept one would let its shard keep the next. Returns how many were added."""
     from dflash.io import read_jsonl
+    from dflash.vocabulary import EXCLUDED
 
     old = {json.loads(line)["id"] for line in out.open()} if out.exists() else set()
-    copies = {"duplicate_completion", "excluded"}
+    copies = {"duplicate_completion", EXCLUDED}
     shards = sorted(p.name for p in (results / "validated").glob("shard-*.jsonl.zst"))
     first: dict[str, str] = {}
     dropped = []

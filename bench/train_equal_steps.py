@@ -35,7 +35,9 @@ steps on the same data and compares what they make:
   .cache/scale/config.yaml`, whose target is the demo's by path): `--rows N` trains on the fewest
   leading shards holding N trainable rows (a point of the data curve), `--epochs E` sets the steps
   to rows x E / rows per step, `--batch-size` and `--anchors` set rows per step and anchors per
-  row for both trainers, `--speculators-optimizer muon,adamw` runs both of its optimizers, and
+  row for both trainers, `--speculators-optimizer muon,adamw` runs both of its optimizers (`none`:
+  ours only), `--variant LABEL:KEY=VALUE,...` (repeatable) trains ours once more per variant with
+  those settings, side by side with the plain one (a sweep of candidate defaults), and
   `--json-out` writes every run's figures for bench/scale_curve.py (the table and the curve).
 
 Prints training wall time (the training loop) and acceptance length overall and per category.
@@ -44,7 +46,8 @@ A quality comparison, not a timing ratio (see train_vs_speculators.py for that).
 Usage: .venv/bin/python bench/train_equal_steps.py [--results results] [--config config.yaml]
     [--steps N] [--lr LR] [--ablation] [--attention-only [--work DIR]] [--seeds 0,1,2] [--jobs 2]
     [--set KEY=VALUE ...] [--speculators-optimizer muon,adamw] [--rows N] [--epochs E] [--batch-size N]
-    [--anchors N] [--json-out FILE] [--speculators-python .venv-speculators/bin/python]
+    [--anchors N] [--variant LABEL:KEY=VALUE,...] [--json-out FILE]
+    [--speculators-python .venv-speculators/bin/python]
 (the demo's 1,000 steps, --ablation: about 20 minutes on 2 cores; each seed or target as much again)
 """
 from __future__ import annotations
@@ -147,10 +150,8 @@ def convert(spec_out: Path, config_dir: Path, drafter_dir: Path) -> tuple[float,
     return float((hidden[0] - probe["hidden"]).abs().max()), float(probe["hidden"].abs().max())
 
 
-OURS = {"decay, data": {"weights": "decay", "labels": "data"},
-        "decay, target": {"weights": "decay", "labels": "target"},
-        "dpace, data": {"weights": "dpace", "labels": "data"},
-        "dpace, target": {"weights": "dpace", "labels": "target"}}
+OURS = {f"ours ({weights}, {labels})": {"loss": {"weights": weights, "labels": labels}}
+        for weights in ("decay", "dpace") for labels in ("data", "target")}
 
 
 def start_ours(tokenized: list[Path], hidden: list[Path], target_dir: Path, out: Path, cfg: dict) -> subprocess.Popen:
@@ -227,7 +228,7 @@ def main() -> None:
                          "uses our train.loss.decay_gamma)")
     ap.add_argument("--speculators-optimizer", type=lambda text: text.split(","), default=["muon"],
                     help="speculators' --optimizer, comma-separated for several runs (muon: its CLI's default; "
-                         "adamw: its TrainerConfig's)")
+                         "adamw: its TrainerConfig's; none: ours only)")
     ap.add_argument("--rows", type=int, help="train on the fewest leading tokenized shards holding this many "
                                              "trainable rows (default: all): a point of the data curve")
     ap.add_argument("--epochs", type=float, help="steps = rows x epochs / rows per step (instead of --steps)")
@@ -237,12 +238,22 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override one of our train settings (VALUE is YAML: --set optimizer=muon, "
                          "--set min_lr_ratio=0); repeatable")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE...]",
+                    help="also train ours with these settings on top of --set, under this label (a sweep of "
+                         "candidate defaults, side by side with the plain one); repeatable")
     ap.add_argument("--speculators-python", type=Path, default=ROOT / ".venv-speculators" / "bin" / "python")
     a = ap.parse_args()
+    import yaml
+
+    def settings_of(items: list[str]) -> dict:
+        return {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in items)}
+
+    variants = {f"ours ({label})": settings_of(items.split(","))
+                for label, items in (v.split(":", 1) for v in a.variant)}
     # Without its venv our trainer still runs and is evaluated (its figures alone), so that the
     # bench keeps working where only our venv is built (CI: tests/test_bench.py).
-    speculators = a.speculators_python.exists()
-    if not speculators:
+    speculators = a.speculators_python.exists() and a.speculators_optimizer != ["none"]
+    if not a.speculators_python.exists():
         print(f"{a.speculators_python} not found (make speculators-venv): speculators is left out, only our trainer "
               f"runs", file=sys.stderr)
     from dflash.config import load_config
@@ -264,8 +275,7 @@ def main() -> None:
 
         # the variant of the demo target for a run that uses the demo's by path
         taught = (load_config(ROOT / "config.yaml"), ROOT) if config["target"]["path"] else None
-        target_dir, hidden = attention_only_target(a.results, config, a.work, taught)
-        hidden = hidden[:len(tokenized)]
+        target_dir, hidden = attention_only_target(a.results, config, a.work, taught, tokenized)
     else:
         target_dir, hidden = run_target, [a.results / "hidden" / p.name for p in tokenized]
     cfg = drafter_train_cfg(config, target_dir)
@@ -275,12 +285,11 @@ def main() -> None:
     elif a.epochs:
         cfg["steps"] = -(-int(rows * a.epochs) // cfg["batch_size"])
     cfg.update(device="cpu", hidden_states="offline")
-    import yaml
-
-    ours_cfg = {**cfg, **{k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in a.set)}}
+    ours_cfg = {**cfg, **settings_of(a.set)}
     a.seeds = a.seeds or [cfg["seed"]]
     work = Path(tempfile.mkdtemp(prefix="bench-equal-steps-"))
-    combos = OURS if a.ablation else {"dflash-pipeline": cfg["loss"]}
+    combos = OURS if a.ablation else {"dflash-pipeline": {}}
+    combos.update(variants)
     which = "the full-attention variant" if a.attention_only else "the run's"
     print(f"data: {a.results}, {len(tokenized)} shards, {rows} trainable rows "
           f"({cfg['steps'] * cfg['batch_size'] / rows:.2f} epochs); target {target_dir} ({which}); "
@@ -295,10 +304,12 @@ def main() -> None:
     spec_names = {f"speculators 0.9.0 ({a.speculators_loss_weight}, {opt})": opt for opt in a.speculators_optimizer}
     runs = {}  # (trainer, seed) -> (output folder, start)
     for seed in a.seeds:
-        for name, loss in combos.items():
+        for name, overrides in combos.items():
             out = work / f"ours-{len(runs)}"
-            runs[name, seed] = (out, lambda out=out, loss=loss, seed=seed: start_ours(
-                tokenized, hidden, target_dir, out, {**ours_cfg, "seed": seed, "loss": {**cfg["loss"], **loss}}))
+            run_cfg = {**ours_cfg, **overrides, "seed": seed,
+                       "loss": {**ours_cfg["loss"], **overrides.get("loss", {})}}
+            runs[name, seed] = (out, lambda out=out, run_cfg=run_cfg: start_ours(tokenized, hidden, target_dir, out,
+                                                                                  run_cfg))
         for spec_name, optimizer in spec_names.items() if speculators else ():
             out = work / f"spec-{optimizer}-{seed}"
             runs[spec_name, seed] = (out, lambda out=out, seed=seed, optimizer=optimizer: start_speculators(
@@ -351,12 +362,11 @@ def main() -> None:
                              for c in categories) + f" | {mean(secs):.0f} |")
 
     for name in [*combos, *(spec_names if speculators else [])]:
-        label = f"ours ({name})" if a.ablation and name in combos else name
         keys = [(name, seed) for seed in a.seeds]
         for key in keys:
-            print(row(label, str(key[1]), [results[key]], [seconds[key]]))
+            print(row(name, str(key[1]), [results[key]], [seconds[key]]))
         if len(keys) > 1:
-            print(row(label, "mean", [results[k] for k in keys], [seconds[k] for k in keys]))
+            print(row(name, "mean", [results[k] for k in keys], [seconds[k] for k in keys]))
     recipe = [f"speculators recipe: {spec_summary['recipe']}"] if speculators else []
     if recipe or a.set:
         print("; ".join(recipe + ([f"ours with {' '.join(a.set)}"] if a.set else [])))
@@ -364,7 +374,8 @@ def main() -> None:
         write_json(a.json_out, {
             "target": "qwen3" if a.attention_only else "hybrid", "rows": rows, "shards": len(tokenized),
             "steps": cfg["steps"], "rows_per_step": cfg["batch_size"], "anchors_per_row": cfg["num_anchors"],
-            "lr": cfg["lr"], "ours_set": a.set, "heldout": len(prompts), "outputs_identical": same,
+            "lr": cfg["lr"], "ours_set": a.set, "variants": variants, "heldout": len(prompts),
+            "outputs_identical": same,
             "runs": [{"trainer": name, "seed": seed, "seconds": seconds[name, seed], "overall": r["overall"],
                       "per_category": r["per_category"]} for (name, seed), r in results.items()]})
     shutil.rmtree(work)

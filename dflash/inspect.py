@@ -18,7 +18,7 @@ from dflash.config import defaults
 from dflash.io import check_zstd, iter_jsonl, read_json
 from dflash.tensors import open_safetensors
 from dflash.storage import local_copy
-from dflash.vocabulary import CATEGORIES, terminal_safe
+from dflash.vocabulary import CATEGORIES, EXCLUDED, terminal_safe
 
 # What a record is whole from its head (a JSONL record is its own head).
 Entry = tuple[dict, Callable[[], dict]]
@@ -164,7 +164,7 @@ def render(rec: dict, limit: int | None = 1200, tokenizer=None) -> str:
 def known_values() -> dict[str, list[str]]:
     """The values each filter can match: the categories, the reason codes and the flag codes."""
     checks = list(defaults("validate")["checks"])
-    return {"category": list(CATEGORIES), "reason": [*checks, "excluded"],
+    return {"category": list(CATEGORIES), "reason": [*checks, EXCLUDED],
             "flag": [*checks, "special_tokens_in_content"]}
 
 

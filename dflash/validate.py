@@ -21,8 +21,8 @@ from dflash.records import checked_records
 from dflash.text_checks import (ShardMemory, target_special_tokens, control_token_text, duplicate_completion, language_drift, stray_think,
                                 stub_answer, thinking_in_answer, truncated_stop)
 from dflash.toolcalls import check_tool_calls, json_safe, target_tool_format
-from dflash.vocabulary import (BAD_CALL, BAD_CHAR, EXAMPLES_PER_REASON, LENGTH_BINS, SCRIPTS, TAGS, TOOL_NOTES,
-                               calls_a_tool, excerpt, length_stats)
+from dflash.vocabulary import (BAD_CALL, BAD_CHAR, EXAMPLES_PER_REASON, EXCLUDED, LENGTH_BINS, SCRIPTS, TAGS,
+                               TOOL_NOTES, calls_a_tool, excerpt, length_stats)
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ def validate_job(completions_path: Path, validated_path: Path, rejected_path: Pa
 def validate_shard(completions_path: Path, validated_path: Path, rejected_path: Path, qa_path: Path,
                    cfg: dict, excluded: dict[str, str] | None = None, special_tokens: Collection[str] = ()) -> dict:
     """Judge every record of a completion shard; in == kept + rejected, always. A record whose id
-    or prompt id is in ``excluded`` is rejected with reason ``excluded`` and not judged.
+    or prompt id is in ``excluded`` is rejected with reason ``EXCLUDED`` and not judged.
     ``special_tokens`` are the target's (``text_checks.target_special_tokens``), which
     ``control_token_text`` looks for.
 
@@ -219,7 +219,7 @@ def validate_shard(completions_path: Path, validated_path: Path, rejected_path: 
                 cat = rec["category"]
                 why = excluded.get(rec["id"]) or excluded.get(rec.get("prompt_id"))
                 if why:
-                    reasons, flags, calls, details = ["excluded"], [], [], {"excluded": why}
+                    reasons, flags, calls, details = [EXCLUDED], [], [], {EXCLUDED: why}
                 else:
                     reasons, flags, calls, details = judge(rec, cfg, memory)
                 per_cat[cat]["records"] += 1
@@ -261,7 +261,7 @@ def qa_report(completions_path: Path, cfg: dict, hits: dict, per_cat: dict, leng
         "rejected": rejected,
         "reject_rate": round(rejected / total, 4) if total else 0.0,
         "checks": {code: {"action": cfg["checks"].get(code, "reject"), "total": sum(hits[code].values()),
-                          "by_category": dict(hits[code])} for code in [*CHECKS, "excluded"]},
+                          "by_category": dict(hits[code])} for code in [*CHECKS, EXCLUDED]},
         "categories": {cat: dict(c) for cat, c in sorted(per_cat.items())},
         "length_bins": LENGTH_BINS,
         "lengths": {cat: {name: length_stats(v) for name, v in sorted(kinds.items())}

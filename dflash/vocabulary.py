@@ -15,6 +15,8 @@ from bisect import bisect_right
 CATEGORIES = ("chat", "code", "reasoning", "tool", "other")
 SPLITS = ("train", "heldout")
 TOOL_CATEGORY = "tool"  # the category whose kept records should call tools (gates.min_tool_call_share)
+# The reason of a record validate rejects unjudged: its id or its prompt's is in validate.exclude.
+EXCLUDED = "excluded"
 
 # Problems that make a parsed call unusable as a training example of calling a tool (the other
 # tool codes say where a call sits, or that its arguments went unchecked, not whether it is one).

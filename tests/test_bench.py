@@ -144,15 +144,18 @@ def test_train_equal_steps_on_a_finished_run(pipeline, tmp_path):
                      "--steps", "2", "--speculators-python", "absent/python")
     assert LEFT_OUT in err
     figure(r"^\| dflash-pipeline \| 0 \| [\d.]+ \| [\d.]+ \|", out)
-    # a point of the data curve: the first shard's rows, each seen twice, the figures as JSON
+    # a point of the data curve: the first shard's rows, each seen twice, the figures as JSON; with a
+    # variant of ours beside the plain one (a sweep of candidate defaults)
     bench("train_equal_steps.py", "--results", str(res), "--config", str(work / "config.yaml"), "--rows", "1",
           "--epochs", "2", "--batch-size", "2", "--json-out", str(tmp_path / "point.json"),
-          "--speculators-python", "absent/python")
+          "--variant", "quiet:feature_noise=0,warmup_ratio=0.04", "--speculators-python", "absent/python")
     point = json.loads((tmp_path / "point.json").read_text())
     assert point["shards"] == 1 and point["steps"] == point["rows"] > 0 and point["rows_per_step"] == 2
-    assert [(r["trainer"], r["seed"]) for r in point["runs"]] == [("dflash-pipeline", 0)]
+    assert [(r["trainer"], r["seed"]) for r in point["runs"]] == [("dflash-pipeline", 0), ("ours (quiet)", 0)]
+    assert point["variants"] == {"ours (quiet)": {"feature_noise": 0, "warmup_ratio": 0.04}}
     out, _ = bench("scale_curve.py", str(tmp_path / "point.json"), "--chart-dir", str(tmp_path / "charts"))
     figure(rf"^\| dflash-pipeline \| 1 \| [\d.]+ \| [\d.]+ to [\d.]+ \|", out)
+    figure(rf"^\| ours \(quiet\) \| 1 \| [\d.]+ \|", out)
     assert "<svg" in (tmp_path / "charts" / "curve-hybrid.svg").read_text()
     # speculators' rows (what its side trains on), made from the run with the run's drafter config
     from safetensors.torch import load_file
