@@ -245,10 +245,15 @@ def main() -> None:
     a = ap.parse_args()
     import yaml
 
-    def settings_of(items: list[str]) -> dict:
+    def settings_of(items: list[str], flag: str) -> dict:
+        if bad := [item for item in items if "=" not in item]:
+            ap.error(f"{flag} {bad[0]!r}: expected KEY=VALUE")
         return {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in items)}
 
-    variants = {f"ours ({label})": settings_of(items.split(","))
+    if bad := [v for v in a.variant if ":" not in v]:
+        ap.error(f"--variant {bad[0]!r}: expected LABEL:KEY=VALUE[,KEY=VALUE...]")
+    ours_set = settings_of(a.set, "--set")
+    variants = {f"ours ({label})": settings_of(items.split(","), "--variant")
                 for label, items in (v.split(":", 1) for v in a.variant)}
     # Without its venv our trainer still runs and is evaluated (its figures alone), so that the
     # bench keeps working where only our venv is built (CI: tests/test_bench.py).
@@ -285,11 +290,10 @@ def main() -> None:
     elif a.epochs:
         cfg["steps"] = -(-int(rows * a.epochs) // cfg["batch_size"])
     cfg.update(device="cpu", hidden_states="offline")
-    ours_cfg = {**cfg, **settings_of(a.set)}
+    ours_cfg = {**cfg, **ours_set}
     a.seeds = a.seeds or [cfg["seed"]]
     work = Path(tempfile.mkdtemp(prefix="bench-equal-steps-"))
-    combos = OURS if a.ablation else {"dflash-pipeline": {}}
-    combos.update(variants)
+    combos = {**(OURS if a.ablation else {"dflash-pipeline": {}}), **variants}
     which = "the full-attention variant" if a.attention_only else "the run's"
     print(f"data: {a.results}, {len(tokenized)} shards, {rows} trainable rows "
           f"({cfg['steps'] * cfg['batch_size'] / rows:.2f} epochs); target {target_dir} ({which}); "

@@ -33,12 +33,16 @@ IN_OTHER_VENVS = ("speculators_dflash_step.py", "speculators_train_rows.py", "sp
 LEFT_OUT = "not found (make speculators-venv): speculators is left out"
 
 
-def bench(script: str, *args: str) -> tuple[str, str]:
-    """(stdout, stderr) of bench/``script``, which must exit 0."""
+def run_bench(script: str, *args: str) -> subprocess.CompletedProcess:
     path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-    run = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, cwd=ROOT,
-                         env=env, timeout=600)
+    return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=600)
+
+
+def bench(script: str, *args: str) -> tuple[str, str]:
+    """(stdout, stderr) of bench/``script``, which must exit 0."""
+    run = run_bench(script, *args)
     assert run.returncode == 0, f"bench/{script} {' '.join(args)} exited {run.returncode}:\n{run.stderr[-4000:]}"
     return run.stdout, run.stderr
 
@@ -112,6 +116,16 @@ def test_demo_time_parses_its_arguments():
     """Only --help: the bench is a fresh clone's `make install` and `make demo` (minutes, and the
     package index), timed; what it prints after them is stage_costs.py's, run below."""
     assert "usage: demo_time.py" in bench("demo_time.py", "--help")[0]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--variant", "lr=0.006"], "--variant 'lr=0.006': expected LABEL:KEY=VALUE"),
+    (["--variant", "fast:lr"], "--variant 'lr': expected KEY=VALUE"),
+    (["--set", "lr0.006"], "--set 'lr0.006': expected KEY=VALUE")])
+def test_train_equal_steps_refuses_a_malformed_setting_before_any_work(flags, message):
+    """A sweep's typo is a one-line usage error before anything loads, not a traceback later."""
+    run = run_bench("train_equal_steps.py", *flags, "--results", "absent")
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
 @pytest.mark.slow

@@ -32,6 +32,30 @@ VLLM_PYTHON = os.environ.get("DFLASH_VLLM_PYTHON")
 TRAIN_PER_CATEGORY, HELDOUT_PER_CATEGORY, ANSWER_TOKENS, EVAL_TOKENS = 12, 4, 96, 96
 # Relative; the measured gap between the engines' per-step figures, with its reasons, is in the test below.
 PER_STEP_TOLERANCE = 0.03
+# Two float32 engines sum in different orders (vLLM verifies a block of 8 positions in one forward,
+# we decode one position at a time), so where the target's top two logits are nearly equal greedy
+# decoding may pick either: a true tie, not a serving bug. A logit gap under this is a tie; a wrong
+# layer mapping or a broken mask moves logits by whole units.
+NEAR_TIE = 1e-3
+
+
+def assert_same_greedy(target, prompt_ids: list[list[int]], got: list[list[int]], expected: list[list[int]]):
+    """Every output equals ours token for token, or up to a first difference where our target's two
+    candidates are a near tie (then the rest follows another context and is not compared). Returns
+    the prompts whose outputs part at a tie."""
+    ties = set()
+    for i, (prompt, a, b) in enumerate(zip(prompt_ids, got, expected, strict=True)):
+        if a == b:
+            continue
+        at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        assert at is not None, f"prompt {i}: one output stops early, {len(a)} tokens against our {len(b)}"
+        with torch.no_grad():
+            logits = target(torch.tensor([prompt + b[:at]])).logits[0, -1].double()
+        gap = (logits[b[at]] - logits[a[at]]).item()
+        print(f"prompt {i}: parts at output token {at} ({a[at]} against our {b[at]}), logit gap {gap:.2e}")
+        assert abs(gap) <= NEAR_TIE, f"prompt {i}: parts at output token {at} where our target's logits differ by {gap}"
+        ties.add(i)
+    return ties
 
 
 @pytest.fixture(scope="module")
@@ -93,21 +117,27 @@ def test_vllm_serves_the_trained_drafter_and_sees_our_acceptance(served, vllm):
         "draft_tokens": sum(d for s in engine["samples"] for d, _ in s["steps"])}
     assert engine["overall"]["acceptance_length_per_step"] > engine["untrained"]["overall"]["acceptance_length_per_step"] + 0.1
     # Every output is plain greedy decoding: vLLM with the drafter (trained and untrained: run_eval
-    # checks they agree), our eval, and vLLM without a drafter decode the same tokens.
-    assert [s["output_ids"] for s in engine["samples"]] == [s["output_ids"] for s in ours["samples"]]
+    # checks they agree), our eval, and vLLM without a drafter decode the same tokens, up to a near
+    # tie (measured 2026-12-05: prompt 15 parts at its 93rd token, logits 1.9e-06 apart, on both
+    # vLLM servers; with a fresh install of the same pins, so float order alone decides it).
+    ids = encode_prompts(served["heldout"], served["tokenizer"])
+    ties = assert_same_greedy(served["target"], ids, [s["output_ids"] for s in engine["samples"]],
+                              [s["output_ids"] for s in ours["samples"]])
     # run_eval decodes thinking off too unless told not to (eval.thinking_off)
     assert ours["thinking_off"]["overall"]["drafts"] > 0 and "thinking_off" not in engine
-    ids = encode_prompts(served["heldout"], served["tokenizer"])
     stop = sorted(stop_token_ids(served["tokenizer"], served["target"].generation_config))
     ours_ids = evaluate(served["work"] / "none", None, served["heldout"], {"max_new_tokens": EVAL_TOKENS, "device": "cpu"},
                         served["tokenizer"], target=served["target"], prompt_ids=ids)["samples"]
-    for prompt, expected in zip(ids, ours_ids):
+    plain = []
+    for prompt in ids:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": EVAL_TOKENS, "temperature": 0.0, "stop_token_ids": stop,
                 "return_token_ids": True, "skip_special_tokens": False}
         request = urllib.request.Request(f"{vllm.url}/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
-        assert json.loads(urllib.request.urlopen(request, timeout=120).read())["choices"][0]["token_ids"] == \
-            expected["output_ids"]
+        plain.append(json.loads(urllib.request.urlopen(request, timeout=120).read())["choices"][0]["token_ids"])
+    ties |= assert_same_greedy(served["target"], ids, plain, [s["output_ids"] for s in ours_ids])
+    # a tie is rare: ties on more than one prompt say the engines compute something else
+    assert len(ties) <= 1, f"prompts that part at a near tie: {sorted(ties)}"
     # The same definition on both sides: 1 + accepted draft tokens per verify step that drafted.
     # One thing differs by design: on the last step of a prompt cut by max_new_tokens vLLM drafts
     # its 7 tokens and counts every match, where we draft only what can still be emitted, so vLLM's
