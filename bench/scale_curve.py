@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean
@@ -24,12 +25,28 @@ OURS = "dflash-pipeline"
 
 
 def grouped(files: list[Path]) -> dict[tuple[str, int], dict[str, list[dict]]]:
-    """(target, rows) -> trainer -> its runs (one a seed)."""
-    out: dict[tuple[str, int], dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    """(target, rows) -> trainer -> its runs (one a seed). The files of one point must share their
+    data (``data``: a digest of the rows and held-out prompts; the scale data set's prompts draw on
+    the machine's own text, so a build elsewhere may differ); where its runs used several peak lrs,
+    each trainer's name says its own."""
+    points: dict[tuple[str, int], list[tuple[Path, dict]]] = defaultdict(list)
     for path in files:
         point = json.loads(path.read_text())
-        for run in point["runs"]:
-            out[point["target"], point["rows"]][run["trainer"]].append(run)
+        points[point["target"], point["rows"]].append((path, point))
+    out: dict[tuple[str, int], dict[str, list[dict]]] = {}
+    for key, entries in points.items():
+        if len({point.get("data") for _, point in entries}) > 1:
+            sys.exit(f"{', '.join(str(path) for path, _ in entries)}: not the same data at the {key[1]:,}-row point "
+                     f"of the {key[0]} target (their 'data' digests differ): bench every point on one build")
+        several_lrs = len({run["lr"] for _, point in entries for run in point["runs"]}) > 1
+        trainers: dict[str, list[dict]] = defaultdict(list)
+        for path, point in entries:
+            for run in point["runs"]:
+                name = f"{run['trainer']}, lr {run['lr']:g}" if several_lrs else run["trainer"]
+                if any(r["seed"] == run["seed"] for r in trainers[name]):
+                    sys.exit(f"{path}: {name} seed {run['seed']} at the {key[1]:,}-row point is in another file too")
+                trainers[name].append(run)
+        out[key] = trainers
     return out
 
 

@@ -43,6 +43,7 @@ import argparse
 import ast
 import gettext
 import gzip
+import hashlib
 import json
 import random
 import re
@@ -261,8 +262,11 @@ def main() -> None:
     counts = build_prompts(a.out, a.train, a.heldout)
     config, exclusions = a.out / "config.yaml", a.out / "exclude" / "duplicates.jsonl"
     config.write_text(yaml.safe_dump(scale_config([str(exclusions)] if exclusions.exists() else []), sort_keys=False))
-    print(f"prompts: {sum(counts.values())} ({', '.join(f'{k} {v}' for k, v in counts.items())}); config {config}",
-          flush=True)
+    # Some prompts are drawn from this machine's own text (docstrings, gettext catalogs): a build on a
+    # machine with other packages draws others, and the digest tells two builds apart.
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted((a.out / "sources").glob("*.jsonl"))))
+    print(f"prompts: {sum(counts.values())} ({', '.join(f'{k} {v}' for k, v in counts.items())}); sources digest "
+          f"{digest.hexdigest()[:16]}; config {config}", flush=True)
     if a.prompts_only:
         return
     exclusions.parent.mkdir(exist_ok=True)

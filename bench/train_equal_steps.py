@@ -38,7 +38,8 @@ steps on the same data and compares what they make:
   row for both trainers, `--speculators-optimizer muon,adamw` runs both of its optimizers (`none`:
   ours only), `--variant LABEL:KEY=VALUE,...` (repeatable) trains ours once more per variant with
   those settings, side by side with the plain one (a sweep of candidate defaults), and
-  `--json-out` writes every run's figures for bench/scale_curve.py (the table and the curve).
+  `--json-out` writes every run's figures for bench/scale_curve.py (the table and the curve), with
+  a digest of the rows and held-out prompts (`data`: points of two builds are not mixed).
 
 Prints training wall time (the training loop) and acceptance length overall and per category.
 A quality comparison, not a timing ratio (see train_vs_speculators.py for that).
@@ -53,6 +54,7 @@ Usage: .venv/bin/python bench/train_equal_steps.py [--results results] [--config
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import multiprocessing
@@ -188,6 +190,15 @@ def leading_shards(tokenized: list[Path], rows: int | None) -> tuple[list[Path],
     return chosen, held
 
 
+def data_digest(files: list[Path]) -> str:
+    """sha256 over the files' bytes: two points (or two builds of a data set) trained and were
+    evaluated on the same data only if this matches."""
+    h = hashlib.sha256()
+    for path in files:
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def evaluate_one(target_dir: Path, drafter: Path, heldout: Path, eval_cfg: dict) -> dict:
     """One drafter through the evaluator, in a process of its own (one thread)."""
     torch.set_num_threads(1)
@@ -307,6 +318,8 @@ def main() -> None:
         speculators_data(tokenized, target_dir, hidden, shape, work / "data")
     spec_names = {f"speculators 0.9.0 ({a.speculators_loss_weight}, {opt})": opt for opt in a.speculators_optimizer}
     runs = {}  # (trainer, seed) -> (output folder, start)
+    lrs = {**{name: {**ours_cfg, **overrides}["lr"] for name, overrides in combos.items()},
+           **{name: cfg["lr"] for name in spec_names}}  # each trainer's peak lr (a variant may set its own)
     for seed in a.seeds:
         for name, overrides in combos.items():
             out = work / f"ours-{len(runs)}"
@@ -379,9 +392,9 @@ def main() -> None:
             "target": "qwen3" if a.attention_only else "hybrid", "rows": rows, "shards": len(tokenized),
             "steps": cfg["steps"], "rows_per_step": cfg["batch_size"], "anchors_per_row": cfg["num_anchors"],
             "lr": cfg["lr"], "ours_set": a.set, "variants": variants, "heldout": len(prompts),
-            "outputs_identical": same,
-            "runs": [{"trainer": name, "seed": seed, "seconds": seconds[name, seed], "overall": r["overall"],
-                      "per_category": r["per_category"]} for (name, seed), r in results.items()]})
+            "outputs_identical": same, "data": data_digest([*tokenized, heldout]),
+            "runs": [{"trainer": name, "seed": seed, "lr": lrs[name], "seconds": seconds[name, seed],
+                      "overall": r["overall"], "per_category": r["per_category"]} for (name, seed), r in results.items()]})
     shutil.rmtree(work)
 
 

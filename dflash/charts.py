@@ -18,7 +18,8 @@ def fmt(v) -> str:
             else f"{v:.2g}")
 
 
-COLOURS = ["#1f77b4", "#aaaaaa"]
+# trained / untrained first (the report's pairs); the rest tell more series apart (the scale curve)
+COLOURS = ["#1f77b4", "#aaaaaa", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 CHAR_PX = 6.2  # rough width of one character at font-size 11, to keep labels apart
 
 
@@ -66,9 +67,21 @@ def bars_svg(title: str, labels: list[str], series: dict[str, list[float]], x_la
     group = bar * k + 12
     label_px = max((len(str(lab)) for lab in labels), default=1) * CHAR_PX
     turn = label_px > group - 4  # labels wider than their group are turned, so none overlap
-    left, right, top = 58, 16, 52 if k > 1 or baseline else 36
+    left, right = 58, 16
     bottom = 44 + (label_px * 0.65 if turn else 0)
     width = max(left + right + n * group, len(title) * 7.5 + 16, 300)
+    # the legend, in rows under the title (wrapped at the chart's width): each series' colour, then
+    # the baseline's dashes
+    legend = [(name, 30 + len(name) * CHAR_PX) for name in (series if k > 1 else [])]
+    legend += [(None, 35 + len(baseline[1]) * CHAR_PX)] if baseline else []
+    placed, x, row = [], left, 0
+    for name, w in legend:
+        if x + w > width - right and x > left:
+            x, row = left, row + 1
+        placed.append((name, x, 25 + 16 * row))
+        x += w
+    top = 36 + 16 * (row + 1) if legend else 36
+    height += 16 * row
     plot_w = width - left - right
     group = plot_w / max(1, n)
     values = [v for vs in series.values() for v in vs if v is not None]
@@ -99,14 +112,11 @@ def bars_svg(title: str, labels: list[str], series: dict[str, list[float]], x_la
     if baseline:
         at = y(baseline[0])
         out.append(f'<line x1="{left}" x2="{width - right}" y1="{at:.1f}" y2="{at:.1f}" {dash}/>')
-    # the legend, in a row under the title: each series' colour, then the baseline's dashes
-    x = left
-    for j, name in enumerate(series if k > 1 else []):
-        out.append(f'<rect x="{x}" y="25" width="11" height="11" fill="{COLOURS[j % len(COLOURS)]}"/>'
-                   + _text(x + 15, 35, name, 11))
-        x += 30 + len(name) * CHAR_PX
-    if baseline:
-        out.append(f'<line x1="{x}" x2="{x + 22}" y1="30.5" y2="30.5" {dash}/>' + _text(x + 27, 35, baseline[1], 11))
+    for j, (name, x, at) in enumerate(placed):
+        out.append(f'<rect x="{x}" y="{at}" width="11" height="11" fill="{COLOURS[j % len(COLOURS)]}"/>'
+                   + _text(x + 15, at + 10, name, 11) if name is not None else
+                   f'<line x1="{x}" x2="{x + 22}" y1="{at + 5.5}" y2="{at + 5.5}" {dash}/>'
+                   + _text(x + 27, at + 10, baseline[1], 11))
     return _svg(width, height, title, "".join(out))
 
 

@@ -60,7 +60,7 @@ ALONE = {
     "validation_quality.py": ([], r"^overall +\d+ +\d+ +\d+ +\d+ +\d+ +\d+ +\d+ +[\d.]+% ", None),
     # the prompts and config only: the whole build is `make scale-data` (40 minutes)
     "scale_data.py": (["--train", "40", "--heldout", "8", "--out", "{tmp}/scale", "--prompts-only"],
-                      r"^prompts: 48 \(chat train 10, chat heldout 2, code train 10, .*tool heldout 2\); config ", None),
+                      r"^prompts: 48 \(chat train 10, chat heldout 2, code train 10, .*tool heldout 2\); sources digest [0-9a-f]{16}; config ", None),
 }
 ALONE_SLOW = {  # 5 to 20 s each
     "tokenize_throughput.py": (["--records", "10", "--rounds", "1", "--specforge-python", "absent/python"],
@@ -118,6 +118,24 @@ def test_demo_time_parses_its_arguments():
     assert "usage: demo_time.py" in bench("demo_time.py", "--help")[0]
 
 
+def test_scale_curve_keeps_each_point_on_one_data_set_and_tells_lrs_apart(tmp_path):
+    """Files of one point from two builds of the data set are refused (a rebuild elsewhere may draw
+    other prompts); files at two peak lrs keep their trainers apart by name."""
+    def point(name: str, lr: float, data: str, seed: int = 0) -> str:
+        run = {"trainer": "dflash-pipeline", "seed": seed, "lr": lr, "seconds": 1.0, "overall": {"acceptance_length": 1.2},
+               "per_category": {"chat": {"acceptance_length": 1.1}}}
+        (tmp_path / name).write_text(json.dumps({"target": "hybrid", "rows": 1000, "data": data, "runs": [run]}))
+        return str(tmp_path / name)
+
+    run = run_bench("scale_curve.py", point("a.json", 0.003, "d1"), point("b.json", 0.003, "d2", seed=1))
+    assert run.returncode == 1 and "not the same data at the 1,000-row point of the hybrid target" in run.stderr
+    run = run_bench("scale_curve.py", point("a.json", 0.003, "d1"), point("b.json", 0.003, "d1"))
+    assert run.returncode == 1 and "dflash-pipeline seed 0 at the 1,000-row point is in another file too" in run.stderr
+    out, _ = bench("scale_curve.py", point("a.json", 0.003, "d1"), point("b.json", 0.006, "d1"))
+    figure(r"^\| dflash-pipeline, lr 0.003 \| 1 \| 1.200 \|", out)
+    figure(r"^\| dflash-pipeline, lr 0.006 \| 1 \| 1.200 \|", out)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--variant", "lr=0.006"], "--variant 'lr=0.006': expected LABEL:KEY=VALUE"),
     (["--variant", "fast:lr"], "--variant 'lr': expected KEY=VALUE"),
@@ -165,8 +183,10 @@ def test_train_equal_steps_on_a_finished_run(pipeline, tmp_path):
           "--variant", "quiet:feature_noise=0,warmup_ratio=0.04", "--speculators-python", "absent/python")
     point = json.loads((tmp_path / "point.json").read_text())
     assert point["shards"] == 1 and point["steps"] == point["rows"] > 0 and point["rows_per_step"] == 2
-    assert [(r["trainer"], r["seed"]) for r in point["runs"]] == [("dflash-pipeline", 0), ("ours (quiet)", 0)]
+    assert [(r["trainer"], r["seed"], r["lr"]) for r in point["runs"]] == [("dflash-pipeline", 0, point["lr"]),
+                                                                           ("ours (quiet)", 0, point["lr"])]
     assert point["variants"] == {"ours (quiet)": {"feature_noise": 0, "warmup_ratio": 0.04}}
+    assert re.fullmatch(r"[0-9a-f]{16}", point["data"])  # what the point trained and was evaluated on
     out, _ = bench("scale_curve.py", str(tmp_path / "point.json"), "--chart-dir", str(tmp_path / "charts"))
     figure(rf"^\| dflash-pipeline \| 1 \| [\d.]+ \| [\d.]+ to [\d.]+ \|", out)
     figure(rf"^\| ours \(quiet\) \| 1 \| [\d.]+ \|", out)
