@@ -9,15 +9,18 @@ import torch
 from dflash.drafter import DFlashDraftModel
 
 OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "linear")
 
 
-def lr_at(step: int, steps: int, lr: float, warmup_ratio: float, min_lr_ratio: float) -> float:
-    """Linear warmup then cosine decay to ``min_lr_ratio * lr``; ``step`` counts from 0."""
+def lr_at(step: int, steps: int, lr: float, warmup_ratio: float, min_lr_ratio: float,
+          schedule: str = "cosine") -> float:
+    """Linear warmup then a cosine or linear decay to ``min_lr_ratio * lr``; ``step`` counts from 0."""
     warmup = round(warmup_ratio * steps)
     if step < warmup:
         return lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - warmup)
-    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    left = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * left)
 
 
 class Muon(torch.optim.Muon):
@@ -84,18 +87,20 @@ class Optimizers:
             o.load_state_dict(s)
 
 
-def make_optimizer(model: DFlashDraftModel, lr: float, weight_decay: float, kind: str = "adamw") -> Optimizers:
+def make_optimizer(model: DFlashDraftModel, lr: float, weight_decay: float, kind: str = "adamw",
+                   muon_fc: bool = False) -> Optimizers:
     # nanoGPT convention: decay the matrices, not the norm gains.
     params = [p for p in model.parameters() if p.requires_grad]
     matrices, gains = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
     if kind == "muon":
-        # Muon for the hidden matrices only (Keller Jordan's convention): fc, the input layer that
-        # reads the target's features, stays on AdamW; Muon there cost 0.13 acceptance on the demo
-        # target (bench/README.md, "the input layer off Muon"). match_rms_adamw: one lr and schedule suit both.
-        fc = getattr(model, "module", model).fc.weight  # DDP wraps the drafter; FSDP keeps it
-        hidden = [p for p in matrices if p is not fc]
+        # fc, the input layer that reads the target's features, on Muon won where rows are seen once
+        # or twice (bench/README.md, "the scale regime"); on AdamW (Keller Jordan's convention) where
+        # they are seen ~40 times (the demo: "the input layer off Muon"). match_rms_adamw: one lr and
+        # schedule suit both optimizers.
+        fc = [] if muon_fc else [getattr(model, "module", model).fc.weight]  # DDP wraps the drafter; FSDP keeps it
+        hidden = [p for p in matrices if not any(p is q for q in fc)]
         return Optimizers(Muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"),
-                          torch.optim.AdamW([{"params": [fc], "weight_decay": weight_decay},
+                          torch.optim.AdamW([{"params": fc, "weight_decay": weight_decay},
                                              {"params": gains, "weight_decay": 0.0}], lr=lr))
     return Optimizers(torch.optim.AdamW([{"params": matrices, "weight_decay": weight_decay},
                                          {"params": gains, "weight_decay": 0.0}], lr=lr))

@@ -49,7 +49,7 @@ from dflash.errors import RANK_ERRORS, first_rank_error, rank_error_recorded
 from dflash.io import atomic_dir, json_text, replace_problem
 from dflash.models import check_fast_kernels, pick_device
 from dflash.objective import LABELS, WEIGHTS, block_loss, supervision
-from dflash.optim import OPTIMIZERS, Optimizers, lr_at, make_optimizer
+from dflash.optim import OPTIMIZERS, SCHEDULES, Optimizers, lr_at, make_optimizer
 from dflash.parallel import Distributed
 from dflash.serving import serving_problems
 from dflash.train_cost import DRAFTER_FROM_TARGET
@@ -118,6 +118,8 @@ def resolve_cfg(cfg: dict) -> dict:
         raise ValueError(f"train.loss.weights must be one of {WEIGHTS} and train.loss.labels one of {LABELS}")
     if merged["optimizer"] not in OPTIMIZERS:
         raise ValueError(f"train.optimizer must be one of {OPTIMIZERS}")
+    if merged["lr_schedule"] not in SCHEDULES:
+        raise ValueError(f"train.lr_schedule must be one of {SCHEDULES}")
     if not 0 < merged["loss"]["dpace_alpha"] <= 1:
         raise ValueError("train.loss.dpace_alpha must be in (0, 1]")
     if merged["mask_token_id"] is None:  # the pipeline resolves drafter.mask_token to it (drafter_train_cfg)
@@ -258,7 +260,7 @@ def _set_up(cfg: dict, target_dir: Path, dist: Distributed, log: logging.Logger)
              config.num_hidden_layers, sum(p.numel() for p in model.parameters()) / 1e6,
              config.dflash_config["target_layer_ids"], config.block_size, dist.world)
     model = dist.wrap(model, cfg["parallel"])
-    optimizer = make_optimizer(model, cfg["lr"], cfg["weight_decay"], cfg["optimizer"])
+    optimizer = make_optimizer(model, cfg["lr"], cfg["weight_decay"], cfg["optimizer"], cfg["muon_fc"])
     # bf16 matmuls on GPU; the weights, optimizer and loss stay fp32
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dist.device.type == "cuda" else nullcontext()
     return Run(target_config, config, model, io, optimizer, autocast)
@@ -310,7 +312,7 @@ def _train_step(run: Run, batch: Batch, supervised: int, step: int, cfg: dict,
     batch = batch.to(dist.device, non_blocking=dist.device.type == "cuda")
     if cfg["feature_noise"]:
         add_feature_noise(batch, cfg["feature_noise"], cfg["seed"], step, dist.rank * cfg["batch_size"])
-    lr = lr_at(step, cfg["steps"], cfg["lr"], cfg["warmup_ratio"], cfg["min_lr_ratio"])
+    lr = lr_at(step, cfg["steps"], cfg["lr"], cfg["warmup_ratio"], cfg["min_lr_ratio"], cfg["lr_schedule"])
     for group in run.optimizer.param_groups:
         group["lr"] = lr
 

@@ -134,6 +134,13 @@ def test_lr_schedule():
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
     assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
     assert lr_at(0, 10, 1.0, 0.0, 0.1) == pytest.approx(1.0)
+    # linear: the same warmup and floor, a straight line between them
+    linear = [lr_at(s, 100, 1.0, 0.1, 0.1, "linear") for s in range(100)]
+    assert linear[:10] == pytest.approx(lrs[:10]) and linear[-1] == pytest.approx(0.1, abs=0.02)
+    assert linear[10] - linear[11] == pytest.approx(linear[80] - linear[81])
+    assert lr_at(50, 100, 1.0, 0.0, 0.0, "linear") == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="lr_schedule"):
+        resolve_cfg({**TRAIN_CFG, "lr_schedule": "step"})
 
 
 def test_cfg_checks():
@@ -387,6 +394,11 @@ def test_muon_moves_the_hidden_matrices_and_adamw_the_input_projection_and_the_g
     assert all(p.dim() == 1 for p in gains["params"]) and gains["weight_decay"] == 0.0
     assert muon.param_groups[0]["weight_decay"] == 0.1
     assert len(on_muon) + 1 + len(gains["params"]) == len(list(model.parameters()))
+    # muon_fc: every matrix on Muon (speculators' split), the gains still on AdamW
+    muon, adamw = make_optimizer(model, 1e-3, 0.1, "muon", muon_fc=True).optimizers
+    assert {names[id(p)] for g in muon.param_groups for p in g["params"]} == {
+        n for n, p in model.named_parameters() if p.dim() == 2}
+    assert [p for g in adamw.param_groups for p in g["params"]] == gains["params"]
 
 
 def test_feature_noise_scales_with_each_token_and_layer_and_is_the_same_however_rows_are_split():
