@@ -99,8 +99,9 @@ def make_optimizer(model: DFlashDraftModel, lr: float, weight_decay: float, kind
         # schedule suit both optimizers.
         fc = [] if muon_fc else [getattr(model, "module", model).fc.weight]  # DDP wraps the drafter; FSDP keeps it
         hidden = [p for p in matrices if not any(p is q for q in fc)]
+        # no empty group: torch's distributed state dict (FSDP, DDP resume points) refuses one
+        groups = [{"params": fc, "weight_decay": weight_decay}] * bool(fc) + [{"params": gains, "weight_decay": 0.0}]
         return Optimizers(Muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"),
-                          torch.optim.AdamW([{"params": fc, "weight_decay": weight_decay},
-                                             {"params": gains, "weight_decay": 0.0}], lr=lr))
+                          torch.optim.AdamW(groups, lr=lr))
     return Optimizers(torch.optim.AdamW([{"params": matrices, "weight_decay": weight_decay},
                                          {"params": gains, "weight_decay": 0.0}], lr=lr))
