@@ -103,7 +103,7 @@ def ours(rows_per_step: int) -> None:
                                target_layer_ids=[1, 2])
     model = DFlashDraftModel(config).train()
     io = TargetIO(torch.randn(VOCAB, HIDDEN) * 0.02, torch.randn(VOCAB, HIDDEN) * 0.02)
-    optimizer = make_optimizer(model, 1e-3, 0.01)
+    optimizer = make_optimizer(model, 1e-3, 0.01, "adamw", muon_fc=False)
     generator = torch.Generator().manual_seed(0)
     mask = torch.ones(ROW_LEN, dtype=torch.bool)
     mask[:PROMPT] = False

@@ -12,8 +12,7 @@ OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "linear")
 
 
-def lr_at(step: int, steps: int, lr: float, warmup_ratio: float, min_lr_ratio: float,
-          schedule: str = "cosine") -> float:
+def lr_at(step: int, steps: int, lr: float, warmup_ratio: float, min_lr_ratio: float, schedule: str) -> float:
     """Linear warmup then a cosine or linear decay to ``min_lr_ratio * lr``; ``step`` counts from 0."""
     warmup = round(warmup_ratio * steps)
     if step < warmup:
@@ -87,8 +86,7 @@ class Optimizers:
             o.load_state_dict(s)
 
 
-def make_optimizer(model: DFlashDraftModel, lr: float, weight_decay: float, kind: str = "adamw",
-                   muon_fc: bool = False) -> Optimizers:
+def make_optimizer(model: DFlashDraftModel, lr: float, weight_decay: float, kind: str, muon_fc: bool) -> Optimizers:
     # nanoGPT convention: decay the matrices, not the norm gains.
     params = [p for p in model.parameters() if p.requires_grad]
     matrices, gains = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
@@ -97,10 +95,12 @@ def make_optimizer(model: DFlashDraftModel, lr: float, weight_decay: float, kind
         # or twice (bench/README.md, "the scale regime"); on AdamW (Keller Jordan's convention) where
         # they are seen ~40 times (the demo: "the input layer off Muon"). match_rms_adamw: one lr and
         # schedule suit both optimizers.
-        fc = [] if muon_fc else [getattr(model, "module", model).fc.weight]  # DDP wraps the drafter; FSDP keeps it
-        hidden = [p for p in matrices if not any(p is q for q in fc)]
-        # no empty group: torch's distributed state dict (FSDP, DDP resume points) refuses one
-        groups = [{"params": fc, "weight_decay": weight_decay}] * bool(fc) + [{"params": gains, "weight_decay": 0.0}]
+        groups = [{"params": gains, "weight_decay": 0.0}]
+        hidden = matrices
+        if not muon_fc:  # no empty fc group otherwise: torch's distributed state dict refuses one
+            fc = getattr(model, "module", model).fc.weight  # DDP wraps the drafter; FSDP keeps it
+            hidden = [p for p in matrices if p is not fc]
+            groups.insert(0, {"params": [fc], "weight_decay": weight_decay})
         return Optimizers(Muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"),
                           torch.optim.AdamW(groups, lr=lr))
     return Optimizers(torch.optim.AdamW([{"params": matrices, "weight_decay": weight_decay},

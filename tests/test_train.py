@@ -129,11 +129,11 @@ def test_make_batch_labels_and_supervision():
 
 
 def test_lr_schedule():
-    lrs = [lr_at(s, 100, 1.0, 0.1, 0.1) for s in range(100)]
+    lrs = [lr_at(s, 100, 1.0, 0.1, 0.1, "cosine") for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
     assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
-    assert lr_at(0, 10, 1.0, 0.0, 0.1) == pytest.approx(1.0)
+    assert lr_at(0, 10, 1.0, 0.0, 0.1, "cosine") == pytest.approx(1.0)
     # linear: the same warmup and floor, a straight line between them
     linear = [lr_at(s, 100, 1.0, 0.1, 0.1, "linear") for s in range(100)]
     assert linear[:10] == pytest.approx(lrs[:10]) and linear[-1] == pytest.approx(0.1, abs=0.02)
@@ -384,7 +384,7 @@ def test_muon_on_a_cpu_takes_torch_s_step_in_float32(adjust):
 def test_muon_moves_the_hidden_matrices_and_adamw_the_input_projection_and_the_gains():
     from tests.test_drafter import draft
     model = draft()
-    muon, adamw = make_optimizer(model, 1e-3, 0.1, "muon").optimizers
+    muon, adamw = make_optimizer(model, 1e-3, 0.1, "muon", muon_fc=False).optimizers
     assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
     on_muon = {id(p) for g in muon.param_groups for p in g["params"]}
     names = {id(p): n for n, p in model.named_parameters()}
