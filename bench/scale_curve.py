@@ -6,7 +6,7 @@ over seeds of the acceptance length overall and per category, with the spread (l
 seed) overall; then ours (and each variant of ours a sweep ran, "ours (...)") against the best
 of speculators' runs (overall, in percent, and the category where ours is furthest behind).
 ``--chart-dir``: one SVG per target, acceptance length (overall, mean over seeds) against rows, a
-bar per trainer.
+bar per trainer (a sweep's variants are screens of a point, not a curve: the table has them).
 
 Usage: .venv/bin/python bench/scale_curve.py RUN.json [RUN.json ...] [--chart-dir DIR]
 """
@@ -27,8 +27,8 @@ OURS = "dflash-pipeline"
 def grouped(files: list[Path]) -> dict[tuple[str, int], dict[str, list[dict]]]:
     """(target, rows) -> trainer -> its runs (one a seed). The files of one point must share their
     data (``data``: a digest of the rows and held-out prompts; the scale data set's prompts draw on
-    the machine's own text, so a build elsewhere may differ); where its runs used several peak lrs,
-    each trainer's name says its own."""
+    the machine's own text, so a build elsewhere may differ); where its trainers ran at several peak
+    lrs, each one's name says its own (a variant's label names what it sets, its lr too)."""
     points: dict[tuple[str, int], list[tuple[Path, dict]]] = defaultdict(list)
     for path in files:
         point = json.loads(path.read_text())
@@ -38,7 +38,8 @@ def grouped(files: list[Path]) -> dict[tuple[str, int], dict[str, list[dict]]]:
         if len({point.get("data") for _, point in entries}) > 1:
             sys.exit(f"{', '.join(str(path) for path, _ in entries)}: not the same data at the {key[1]:,}-row point "
                      f"of the {key[0]} target (their 'data' digests differ): bench every point on one build")
-        several_lrs = len({run["lr"] for _, point in entries for run in point["runs"]}) > 1
+        several_lrs = len({run["lr"] for _, point in entries for run in point["runs"]
+                           if not is_variant(run["trainer"])}) > 1
         trainers: dict[str, list[dict]] = defaultdict(list)
         for path, point in entries:
             for run in point["runs"]:
@@ -48,6 +49,10 @@ def grouped(files: list[Path]) -> dict[tuple[str, int], dict[str, list[dict]]]:
                 trainers[name].append(run)
         out[key] = trainers
     return out
+
+
+def is_variant(trainer: str) -> bool:
+    return trainer.startswith("ours (")
 
 
 def figures(runs: list[dict], categories: list[str]) -> dict:
@@ -70,11 +75,12 @@ def main() -> None:
         print(f"| trainer | seeds | overall | spread | {' | '.join(categories)} |")
         print("| --- " * (len(categories) + 4) + "|")
         for name, f in table.items():
-            curves[target][name][rows] = f["overall"]
+            if not is_variant(name):
+                curves[target][name][rows] = f["overall"]
             print(f"| {name} | {f['seeds']} | {f['overall']:.3f} | {f['low']:.3f} to {f['high']:.3f} | "
                   + " | ".join(f"{f[c]:.3f}" for c in categories) + " |")
         # ours against speculators (its sweep's variants, "ours (...)", are no competitor)
-        others = {name: f for name, f in table.items() if not name.startswith(("ours", OURS))}
+        others = {name: f for name, f in table.items() if not (is_variant(name) or name.startswith(OURS))}
         for name, ours in table.items() if others else ():
             if name in others:
                 continue

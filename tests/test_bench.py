@@ -120,9 +120,10 @@ def test_demo_time_parses_its_arguments():
 
 def test_scale_curve_keeps_each_point_on_one_data_set_and_tells_lrs_apart(tmp_path):
     """Files of one point from two builds of the data set are refused (a rebuild elsewhere may draw
-    other prompts); files at two peak lrs keep their trainers apart by name."""
-    def point(name: str, lr: float, data: str, seed: int = 0) -> str:
-        run = {"trainer": "dflash-pipeline", "seed": seed, "lr": lr, "seconds": 1.0, "overall": {"acceptance_length": 1.2},
+    other prompts); files at two peak lrs keep their trainers apart by name; a sweep's variant is
+    in the table, not in the curve's chart."""
+    def point(name: str, lr: float, data: str, seed: int = 0, trainer: str = "dflash-pipeline") -> str:
+        run = {"trainer": trainer, "seed": seed, "lr": lr, "seconds": 1.0, "overall": {"acceptance_length": 1.2},
                "per_category": {"chat": {"acceptance_length": 1.1}}}
         (tmp_path / name).write_text(json.dumps({"target": "hybrid", "rows": 1000, "data": data, "runs": [run]}))
         return str(tmp_path / name)
@@ -134,6 +135,13 @@ def test_scale_curve_keeps_each_point_on_one_data_set_and_tells_lrs_apart(tmp_pa
     out, _ = bench("scale_curve.py", point("a.json", 0.003, "d1"), point("b.json", 0.006, "d1"))
     figure(r"^\| dflash-pipeline, lr 0.003 \| 1 \| 1.200 \|", out)
     figure(r"^\| dflash-pipeline, lr 0.006 \| 1 \| 1.200 \|", out)
+    # a sweep's variant at its own lr renames nothing, and the chart is of trainers, not screens
+    out, _ = bench("scale_curve.py", point("a.json", 0.003, "d1"),
+                   point("b.json", 0.009, "d1", trainer="ours (lr 0.009)"), "--chart-dir", str(tmp_path))
+    figure(r"^\| dflash-pipeline \| 1 \| 1.200 \|", out)
+    figure(r"^\| ours \(lr 0.009\) \| 1 \| 1.200 \|", out)
+    chart = (tmp_path / "curve-hybrid.svg").read_text()
+    assert "dflash-pipeline" in chart and "ours (lr 0.009)" not in chart
 
 
 @pytest.mark.parametrize("flags, message", [
