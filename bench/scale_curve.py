@@ -1,14 +1,17 @@
 """The scale table and the data curve from ``train_equal_steps.py --json-out`` files.
 
-Each file is one invocation: one target (hybrid or ``qwen3``), one data size (rows), every
+Each file is one invocation: one target (hybrid, ``qwen3`` on the hybrid's completions or
+``qwen3-own`` on its own: train_equal_steps.target_label), one data size (rows), every
 trainer and seed it ran. This groups them by target and rows and prints, per trainer, the mean
 over seeds of the acceptance length overall and per category, with the spread (lowest to highest
 seed) overall; then ours (and each variant of ours a sweep ran, "ours (...)") against the best
 of speculators' runs (overall, in percent, and the category where ours is furthest behind).
 ``--chart-dir``: one SVG per target, acceptance length (overall, mean over seeds) against rows, a
-bar per trainer (a sweep's variants are screens of a point, not a curve: the table has them).
+bar per trainer (a sweep's variants are screens of a point, not a curve: the table has them;
+``--also-chart NAME`` draws that variant too, the one a sweep made the defaults, since a file's
+``dflash-pipeline`` is the schema's defaults on the day it ran).
 
-Usage: .venv/bin/python bench/scale_curve.py RUN.json [RUN.json ...] [--chart-dir DIR]
+Usage: .venv/bin/python bench/scale_curve.py RUN.json [RUN.json ...] [--chart-dir DIR] [--also-chart NAME ...]
 """
 from __future__ import annotations
 
@@ -65,6 +68,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("files", nargs="+", type=Path)
     ap.add_argument("--chart-dir", type=Path)
+    ap.add_argument("--also-chart", action="append", default=[], metavar="NAME",
+                    help="a variant of ours to draw in the charts too (\"ours (min_lr_ratio 0.3)\"); repeatable")
     a = ap.parse_args()
     points = grouped(a.files)
     curves: dict[str, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
@@ -75,7 +80,7 @@ def main() -> None:
         print(f"| trainer | seeds | overall | spread | {' | '.join(categories)} |")
         print("| --- " * (len(categories) + 4) + "|")
         for name, f in table.items():
-            if not is_variant(name):
+            if not is_variant(name) or name in a.also_chart:
                 curves[target][name][rows] = f["overall"]
             print(f"| {name} | {f['seeds']} | {f['overall']:.3f} | {f['low']:.3f} to {f['high']:.3f} | "
                   + " | ".join(f"{f[c]:.3f}" for c in categories) + " |")

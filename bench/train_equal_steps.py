@@ -39,7 +39,9 @@ steps on the same data and compares what they make:
   ours only), `--variant LABEL:KEY=VALUE,...` (repeatable) trains ours once more per variant with
   those settings, side by side with the plain one (a sweep of candidate defaults), and
   `--json-out` writes every run's figures for bench/scale_curve.py (the table and the curve), with
-  a digest of the rows and held-out prompts (`data`: points of two builds are not mixed).
+  a digest of the rows and held-out prompts (`data`: points of two builds are not mixed) and the
+  target by what it learnt from (`target_label`: hybrid, qwen3 on the hybrid's completions, or
+  qwen3-own for a data set that scale_data.py --target built with the full-attention variant).
 
 Prints training wall time (the training loop) and acceptance length overall and per category.
 A quality comparison, not a timing ratio (see train_vs_speculators.py for that).
@@ -217,6 +219,16 @@ def finish(name: str, run: subprocess.Popen) -> str:
     return out
 
 
+def target_label(target_dir: Path, attention_only: bool) -> str:
+    """The target a point names: ``hybrid`` (the demo's), ``qwen3`` (its full-attention variant,
+    trained on the run's completions: the demo target's) or ``qwen3-own`` (a run whose own target
+    is full-attention, bench/scale_data.py --target: trained on that target's own completions)."""
+    if attention_only:
+        return "qwen3"
+    layer_types = json.loads((target_dir / "config.json").read_text()).get("layer_types") or []
+    return "hybrid" if "linear_attention" in layer_types else "qwen3-own"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--results", type=Path, default=ROOT / "results", help="a finished demo run's results folder")
@@ -389,7 +401,7 @@ def main() -> None:
         print("; ".join(recipe + ([f"ours with {' '.join(a.set)}"] if a.set else [])))
     if a.json_out:
         write_json(a.json_out, {
-            "target": "qwen3" if a.attention_only else "hybrid", "rows": rows, "shards": len(tokenized),
+            "target": target_label(target_dir, a.attention_only), "rows": rows, "shards": len(tokenized),
             "steps": cfg["steps"], "rows_per_step": cfg["batch_size"], "anchors_per_row": cfg["num_anchors"],
             "lr": cfg["lr"], "ours_set": a.set, "variants": variants, "heldout": len(prompts),
             "outputs_identical": same, "data": data_digest([*tokenized, heldout]),

@@ -142,6 +142,10 @@ def test_scale_curve_keeps_each_point_on_one_data_set_and_tells_lrs_apart(tmp_pa
     figure(r"^\| ours \(lr 0.009\) \| 1 \| 1.200 \|", out)
     chart = (tmp_path / "curve-hybrid.svg").read_text()
     assert "dflash-pipeline" in chart and "ours (lr 0.009)" not in chart
+    # unless it is the one the sweep made the defaults
+    bench("scale_curve.py", point("a.json", 0.003, "d1"), point("b.json", 0.009, "d1", trainer="ours (lr 0.009)"),
+          "--chart-dir", str(tmp_path), "--also-chart", "ours (lr 0.009)")
+    assert "ours (lr 0.009)" in (tmp_path / "curve-hybrid.svg").read_text()
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -152,6 +156,19 @@ def test_train_equal_steps_refuses_a_malformed_setting_before_any_work(flags, me
     """A sweep's typo is a one-line usage error before anything loads, not a traceback later."""
     run = run_bench("train_equal_steps.py", *flags, "--results", "absent")
     assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_train_equal_steps_names_the_target_by_what_trained_it(tmp_path):
+    """A point's target says which model's completions the drafter learnt from: the full-attention
+    variant on the demo target's (``--attention-only``) is not the same curve as that variant on
+    its own (a data set that bench/scale_data.py --target built with it)."""
+    spec = importlib.util.spec_from_file_location("train_equal_steps", BENCH / "train_equal_steps.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    demo = ROOT / "data" / "demo" / "target"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "layer_types": ["full_attention"] * 4}))
+    assert [module.target_label(demo, False), module.target_label(demo, True),
+            module.target_label(tmp_path, False)] == ["hybrid", "qwen3", "qwen3-own"]
 
 
 @pytest.mark.slow
