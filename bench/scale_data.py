@@ -220,10 +220,10 @@ def scale_config(exclude: list[str], target: Path | None = None) -> dict:
         "eval": {"max_new_tokens": demo["eval"]["max_new_tokens"]},  # what the benches' evaluator decodes
         "validate": {**demo["validate"], "exclude": exclude},
         # the target was taught 252 conversations: most answers to new text fail validation, as they should
-        "gates": {"max_reject_rate": 0.9, "max_category_reject_rate": 0.95} if target is None else
-        # the full-attention variant, taught the same conversations, writes no well-formed tool call
-        # (0 of 176 kept tool records call one; 97.8% of them rejected): its own data set keeps what it does
-        {"max_reject_rate": 0.9, "max_category_reject_rate": 0.99, "min_tool_call_share": 0},
+        "gates": {"max_reject_rate": 0.9, "max_category_reject_rate": 0.95, **({} if target is None else
+                  # the full-attention variant, taught the same conversations, writes no well-formed tool
+                  # call (0 of 176 kept tool records call one; 97.8% rejected): its data set keeps what it does
+                  {"max_category_reject_rate": 0.99, "min_tool_call_share": 0})},
         "pilot": {"enabled": False},
     }
 

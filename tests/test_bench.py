@@ -33,6 +33,14 @@ IN_OTHER_VENVS = ("speculators_dflash_step.py", "speculators_train_rows.py", "sp
 LEFT_OUT = "not found (make speculators-venv): speculators is left out"
 
 
+def bench_module(script: str):
+    """A bench script imported as a module, to test one of its functions."""
+    spec = importlib.util.spec_from_file_location(Path(script).stem, BENCH / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_bench(script: str, *args: str) -> subprocess.CompletedProcess:
     path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
@@ -162,9 +170,7 @@ def test_train_equal_steps_names_the_target_by_what_trained_it(tmp_path):
     """A point's target says which model's completions the drafter learnt from: the full-attention
     variant on the demo target's (``--attention-only``) is not the same curve as that variant on
     its own (a data set that bench/scale_data.py --target built with it)."""
-    spec = importlib.util.spec_from_file_location("train_equal_steps", BENCH / "train_equal_steps.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = bench_module("train_equal_steps.py")
     demo = ROOT / "data" / "demo" / "target"
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "layer_types": ["full_attention"] * 4}))
     assert [module.target_label(demo, False), module.target_label(demo, True),
@@ -219,9 +225,7 @@ def test_train_equal_steps_on_a_finished_run(pipeline, tmp_path):
     # speculators' rows (what its side trains on), made from the run with the run's drafter config
     from safetensors.torch import load_file
 
-    spec = importlib.util.spec_from_file_location("train_equal_steps", BENCH / "train_equal_steps.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = bench_module("train_equal_steps.py")
     hidden = [res / "hidden" / p.name for p in sorted((res / "tokenized").glob("shard-*.safetensors"))]
     module.speculators_data(sorted((res / "tokenized").glob("shard-*.safetensors")), res / "target", hidden,
                             res / "checkpoints" / "demo", tmp_path)
