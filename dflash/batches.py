@@ -21,7 +21,8 @@ from typing import TypeVar
 
 import torch
 
-from dflash.hidden import cached_features, check_token_ids, features_and_greedy, forward_features
+from dflash.feature_guard import FeatureGuard, summary_from_metadata
+from dflash.hidden import cached_features, check_token_ids, features_and_greedy, forward_features, row_name
 from dflash.io import read_json
 from dflash.tensors import load_safetensors, open_safetensors
 from dflash.objective import block_labels, supervision
@@ -36,6 +37,8 @@ class Row:
     loss_mask: torch.Tensor  # bool [T]
 
 
+
+
 class NothingToTrain(ValueError):
     """No row of the shards can anchor a block."""
 
@@ -47,14 +50,17 @@ class ShardData:
 
     def __init__(self, tokenized: list[Path], hidden: list[Path] | None, target_layer_ids: list[int],
                  hidden_size: int, target_name: str, log: logging.Logger, online: torch.nn.Module | None = None,
-                 greedy: bool = False):
+                 greedy: bool = False, feature_rms_range: float = 0):
         if hidden is None:
             hidden = [None] * len(tokenized)
         if len(tokenized) != len(hidden):
             raise ValueError(f"{len(tokenized)} tokenized shards but {len(hidden)} hidden shards")
         self.online, self.layer_ids, self.greedy = online, list(target_layer_ids), greedy
+        self.guard = FeatureGuard(self.layer_ids, feature_rms_range)
         self._files = ExitStack()
         self.handles = []
+        self.shard_paths: list[Path] = []
+        self.shard_offsets: list[torch.Tensor] = []
         self.rows: list[Row] = []
         self.row_ids: dict[str, Path] = {}  # a row's id -> the index that lists it
         self.summary = {"shards": len(tokenized), "rows": 0, "tokens": 0,
@@ -77,13 +83,17 @@ class ShardData:
             raise ValueError(f"{meta_path}: {len(rows_meta)} rows listed, {tok_path} has {len(offsets) - 1}")
 
         input_ids = tok["input_ids"].long()
+        self.shard_paths.append(tok_path)
+        self.shard_offsets.append(offsets)
         if self.online is not None:
             check_token_ids(tok_path, input_ids, offsets, self.online.get_input_embeddings().weight.shape[0])
         if hid_path is None:
             self.handles.append(None)
+            self.guard.add_shard(str(tok_path), len(offsets) - 1, None)
         else:
             self.handles.append(self._open_cache(Path(hid_path), tok_path, offsets, input_ids, target_layer_ids,
                                                  hidden_size, target_name, log))
+            self.guard.add_shard(str(hid_path), len(offsets) - 1, summary_from_metadata(self.handles[-1].metadata()))
 
         if again := next((m["id"] for m in rows_meta if m["id"] in self.row_ids), None):
             raise ValueError(f"{meta_path}: row {again} is a row of {self.row_ids[again]} too: a shard given twice "
@@ -132,11 +142,21 @@ class ShardData:
             ids = row.input_ids[None].to(next(self.online.parameters()).device)
             if self.greedy:
                 features, greedy = features_and_greedy(self.online, ids, self.layer_ids)
-                return features, greedy.cpu()  # laid out with the row's CPU positions
-            return forward_features(self.online, ids, self.layer_ids, logits=False)[1][0], None
-        handle = self.handles[row.shard]
-        greedy = handle.get_slice("target_argmax")[row.start:row.end] if self.greedy else None
-        return cached_features(handle, row.start, row.end), greedy
+                greedy = greedy.cpu()  # laid out with the row's CPU positions
+            else:
+                features, greedy = forward_features(self.online, ids, self.layer_ids, logits=False)[1][0], None
+        else:
+            handle = self.handles[row.shard]
+            greedy = handle.get_slice("target_argmax")[row.start:row.end] if self.greedy else None
+            features = cached_features(handle, row.start, row.end)
+        path, offsets = self.shard_paths[row.shard], self.shard_offsets[row.shard]
+        self.guard.add_row(row.shard, features, lambda: f"{self.guard.names[row.shard]}: "
+                                                        f"{row_name(path, int(torch.searchsorted(offsets, row.start)))}")
+        return features, greedy
+
+    def feature_summary(self) -> dict | None:
+        """Per target layer, the features' statistics over the shards (``FeatureGuard.summary``)."""
+        return self.guard.summary()
 
     def close(self) -> None:
         self._files.close()

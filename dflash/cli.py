@@ -73,16 +73,21 @@ def _hidden(cfg, a):
 
 
 def _train(cfg, a):
+    from dflash.curves import curve_spec
     from dflash.train import drafter_train_cfg, train
 
     train(a.tokenized, a.hidden or None, a.target, a.out,
-          {**drafter_train_cfg(cfg, a.target), "fast_kernels": cfg["target"]["fast_kernels"]})
+          {**drafter_train_cfg(cfg, a.target), "fast_kernels": cfg["target"]["fast_kernels"]},
+          curves_spec=curve_spec(cfg, cfg["run"], "train"))
 
 
 def _eval(cfg, a):
+    from dflash.curves import log_eval
     from dflash.eval import run_eval
 
-    run_eval(a.checkpoint, a.target, a.heldout, a.out, {**cfg["eval"], "fast_kernels": cfg["target"]["fast_kernels"]})
+    result = run_eval(a.checkpoint, a.target, a.heldout, a.out,
+                      {**cfg["eval"], "fast_kernels": cfg["target"]["fast_kernels"]})
+    log_eval(cfg, cfg["run"], result)
 
 
 def _report(cfg, a):

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from dflash.config import defaults
+from dflash.feature_guard import STATS_KEY, FeatureStats, check_summary
 from dflash.hidden_cache import HIDDEN_FORMAT, resolve_layer_ids
 from dflash.io import read_json
 from dflash.tensors import load_safetensors, save_safetensors
@@ -117,6 +118,14 @@ def cached_features(handle, start: int, end: int) -> torch.Tensor:
     return feats
 
 
+def row_name(tokenized_path: Path, row: int) -> str:
+    """``row N (record ID)``: the record's id from the index tokenize writes beside the shard."""
+    try:
+        return f"row {row} (record {read_json(Path(tokenized_path).with_suffix('.json'))['rows'][row]['id']})"
+    except (OSError, ValueError, LookupError, TypeError):
+        return f"row {row}"
+
+
 def check_token_ids(tokenized_path: Path, input_ids: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> None:
     """Refuse ids the target has no embedding row for (a shard tokenized with another tokenizer),
     naming the first row that holds one: the forward would fail with a bare ``IndexError``."""
@@ -125,11 +134,7 @@ def check_token_ids(tokenized_path: Path, input_ids: torch.Tensor, offsets: torc
         return
     at = int(bad[0])
     row = int(torch.searchsorted(offsets, at, right=True)) - 1
-    try:  # the record's id, from the index tokenize writes beside the shard
-        row_name = f"row {row} (record {read_json(Path(tokenized_path).with_suffix('.json'))['rows'][row]['id']})"
-    except (OSError, ValueError, LookupError, TypeError):
-        row_name = f"row {row}"
-    raise ValueError(f"{tokenized_path}: {row_name} holds token id {int(input_ids[at])}, outside the target's "
+    raise ValueError(f"{tokenized_path}: {row_name(tokenized_path, row)} holds token id {int(input_ids[at])}, outside the target's "
                      f"vocabulary of {vocab_size} ids ({len(bad)} of the shard's {len(input_ids)} tokens are): it was "
                      f"tokenized with another tokenizer; re-run tokenize with this target's")
 
@@ -164,16 +169,23 @@ def capture_shard(tokenized_path: Path, out_path: Path, target_dir: Path, layers
     fp8 = dtype == "float8_e4m3fn"
     scales = torch.empty((len(input_ids), len(layer_ids)), dtype=torch.float32) if fp8 else None
     greedy = torch.empty(len(input_ids), dtype=torch.int32)
+    stats = FeatureStats(layer_ids)
     t0 = time.time()
     for r in progress(range(len(offsets) - 1), desc=f"hidden {Path(tokenized_path).stem}", unit="row"):
         a, b = offsets[r].item(), offsets[r + 1].item()
         feats, greedy[a:b] = features_and_greedy(model, input_ids[a:b].long().unsqueeze(0).to(on), layer_ids)
+        stats.add_row(feats, lambda: f"{tokenized_path}: {row_name(tokenized_path, r)}")
         if fp8:
             out[a:b], scales[a:b] = to_fp8(feats.cpu())
         else:
             out[a:b] = feats.to(out.dtype).cpu()
+    # the shard alone: across shards, training compares them (here another shard may be a stale
+    # output of another target, about to be rebuilt)
+    features = stats.summary()
+    check_summary(features, str(out_path), None, 0)
     metadata = {"format": HIDDEN_FORMAT, "target_layer_ids": json.dumps(list(layer_ids)),
-                "hidden_size": str(hidden_size), "dtype": dtype, "model": Path(target_dir).name}
+                "hidden_size": str(hidden_size), "dtype": dtype, "model": Path(target_dir).name,
+                STATS_KEY: json.dumps(features)}
     tensors = {"hidden_states": out, "target_argmax": greedy, "input_ids": input_ids, "offsets": offsets,
                **({"scales": scales} if fp8 else {})}
     with atomic_path(out_path) as tmp:
@@ -181,6 +193,6 @@ def capture_shard(tokenized_path: Path, out_path: Path, target_dir: Path, layers
     summary = {"rows": len(offsets) - 1, "tokens": len(input_ids), "layers": list(layer_ids),
                "bytes": sum(t.numel() * t.element_size() for k, t in tensors.items()
                             if k in ("hidden_states", "scales", "target_argmax")),
-               "seconds": round(time.time() - t0, 2)}
+               "seconds": round(time.time() - t0, 2), "features": features["layers"]}
     log.info("hidden %s: %s", Path(tokenized_path).name, summary)
     return summary

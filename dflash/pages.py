@@ -244,7 +244,8 @@ def render_html(s: dict) -> str:
 <a href="{QA_PAGE}">{QA_PAGE}</a>).</p>{checks}
 <h2>Quality gates</h2>{gates}
 <h2>Per category</h2>{per_cat}
-<h2>Drafter training loss</h2><div class="plots">{loss}</div>
+<h2>Drafter training loss</h2><div class="plots">{loss}</div>{_curves_html(s.get("curves"))}
+{_features_html(s.get("features"))}
 <h2>Acceptance length on held-out prompts</h2>
 <p>Greedy speculative decoding of the held-out prompts{engine}. <b>Acceptance length</b>: tokens per target
 forward, the prefill included (1.0 = no speed-up): what the drafter saves. <b>Per verify step</b>: 1 + accepted
@@ -255,6 +256,33 @@ compare published figures with this one.</p>{acceptance}
 {_generation_html(s.get("generation"), s.get("plan"))}
 {_plan_html(s.get("pilot"), s.get("plan"))}
 """, s.get("about"), None, (QA_PAGE, "completion quality (QA)"))
+
+
+def _curves_html(c: dict | None) -> str:
+    """Where the live curves are: loss, lr, grad norm, tokens/s, accuracy per block position, and
+    the held-out acceptance."""
+    if not c:
+        return ""
+    places = ([f"TensorBoard: <code>tensorboard --logdir {html.escape(c['tensorboard'])}</code>"] if c["tensorboard"]
+              else []) + ([f"W&amp;B project <code>{html.escape(c['wandb'])}</code>"] if c["wandb"] else []) + (
+              [f"MLflow at <code>{html.escape(c['mlflow'])}</code>"] if c["mlflow"] else [])
+    if not places:
+        return ""
+    return (f"<p>Live curves (loss, lr, gradient norm, tokens/s, accuracy per block position, held-out "
+            f"acceptance): {'; '.join(places)}.</p>")
+
+
+def _features_html(f: dict | None) -> str:
+    """The target's features the drafter read, per layer: what the feature guards checked."""
+    if not f:
+        return ""
+    table = _table(["target layer", "RMS (lowest shard)", "RMS (highest shard)", "largest |value|",
+                    "smallest spread across tokens"],
+                   [[s["layer"], f"{s['rms_min']:.4g}", f"{s['rms_max']:.4g}", f"{s['max_abs']:.4g}",
+                     f"{s['spread_min']:.4g}"] for s in f["layers"]])
+    return (f"<h2>Target features</h2><p>The hidden states the drafter trained on, over {fmt(f['shards'])} shard(s) "
+            f"and {fmt(f['tokens'])} tokens: training stops on NaN, all-zero or constant features, or a shard whose "
+            f"RMS is off the first shard's by more than <code>train.feature_rms_range</code>.</p>{table}")
 
 
 def _positions_html(rows: list[tuple[str, dict]], thinking_off: dict | None) -> str:

@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from dflash.benchmarks import stage_costs
+from dflash.curves import CURVES_DIR
 from dflash.io import atomic_path, read_json, write_json
 from dflash.pages import render_html
 
@@ -65,6 +66,9 @@ def summarize(config: dict, manifest: Path, qa_summary: Path, gates: Path, check
         },
         "eval": {**{k: evaluation[k] for k in ("overall", "per_category", "untrained", "thinking_off") if k in evaluation},
                  "engine": evaluation.get("settings", {}).get("engine", "transformers")},
+        "curves": _curves(config),
+        # what the drafter read: the target's features per layer (dflash.feature_guard checked them)
+        "features": read_json(Path(checkpoint) / "trainer_state.json")["data"].get("features"),
         "serving": _serving(config, checkpoint),
         "durability": _durability(durability) if durability is not None else None,
         "pilot": read_json(pilot) if pilot else None,
@@ -72,6 +76,13 @@ def summarize(config: dict, manifest: Path, qa_summary: Path, gates: Path, check
         "generation": _generation(config, [read_json(p) for p in generated]) if generated else None,
         "stages": stage_costs(benchmarks) if benchmarks else None,
     }
+
+
+def _curves(config: dict) -> dict:
+    """Where the run's live curves are (``dflash.curves``), for the page to point at."""
+    tracking = config["tracking"]
+    return {"tensorboard": str(Path(config["output_dir"]) / CURVES_DIR) if tracking["tensorboard"] else None,
+            "wandb": tracking["wandb"]["project"], "mlflow": tracking["mlflow"]["tracking_uri"]}
 
 
 def _serving(config: dict, checkpoint: Path) -> dict:

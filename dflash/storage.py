@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from dflash.curves import CURVES_DIR
 from dflash.io import naming_full_disk, read_json
 
 log = logging.getLogger(__name__)
@@ -335,10 +336,13 @@ def safe_to_destroy(workdir: Path, output_dir: str, prefix: str | None, skip=(),
         if not root.is_dir():
             continue
         for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            relative = path.relative_to(root).as_posix()
             if (path.name.endswith(".lock") or path.name == ".snakemake_timestamp" or os.path.abspath(path) in skipped
-                    or path.relative_to(root).as_posix() == CHECK_LOG):
-                continue  # empty markers, never outputs; the asking job's files; what this check logged
-            key = f"{key_root}/{path.relative_to(root).as_posix()}"
+                    or relative == CHECK_LOG or relative.startswith(f"{CURVES_DIR}/")):
+                # empty markers, never outputs; the asking job's files; what this check logged; the
+                # live curves (a view of train_log.jsonl and the eval JSON, which the storage holds)
+                continue
+            key = f"{key_root}/{relative}"
             why = _at_risk(path, stored.get(key), part_bytes) if prefix else "no storage: this run writes only here"
             if why:
                 # an output_dir outside the workdir (output_dir: /scratch/results) is named as it is

@@ -15,7 +15,8 @@ the schema's defaults (``dflash/schemas/config.schema.yaml`` documents each), un
 
 Output directory (written under a temporary name, renamed when complete):
 ``config.json`` + ``model.safetensors`` (the drafter, reference layout), ``train_log.jsonl``
-(``step, loss, acc, lr, position_acc, position_weight, expected_acceptance, tokens_per_s``, averaged since the previous line;
+(``step, loss, acc, lr, grad_norm, position_acc, position_weight, expected_acceptance, tokens_per_s``, averaged since
+the previous line; ``grad_norm`` before clipping;
 ``position_acc[k-1]`` is the top-1 accuracy at block position k, null if none was supervised;
 ``position_weight[k-1]`` the mean loss weight there;
 ``tokens_per_s`` counts supervised block positions),
@@ -30,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -44,6 +46,7 @@ from transformers import AutoConfig, PretrainedConfig, Qwen3Config
 
 from dflash.batches import Batch, RowOrder, ShardData, add_feature_noise, make_batch, prefetched, sample_anchors
 from dflash.config import completed, defaults
+from dflash.curves import Curves, train_scalars
 from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config, nonfinite_tensors, write_drafter_state
 from dflash.errors import RANK_ERRORS, first_rank_error, rank_error_recorded
 from dflash.io import atomic_dir, json_text, replace_problem
@@ -55,7 +58,7 @@ from dflash.serving import serving_problems
 from dflash.train_cost import DRAFTER_FROM_TARGET
 from dflash.train_resume import (held_resume_dir, newest_resume_point, remove_resume_points, resume_dir,
                                  run_fingerprint, save_resume_point)
-from dflash.workflow import CONSOLE_FD, job_console, progress, sigterm_exits
+from dflash.workflow import CONSOLE_FD, job_console, notice, progress, sigterm_exits, stop_requested
 
 ARCH_KEYS = ("num_layers", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "block_size",
              "mask_token_id", "target_layer_ids", "layer_types", "sliding_window")
@@ -140,8 +143,9 @@ def draft_loss(model: torch.nn.Module, io: TargetIO, batch: Batch, B: int, loss:
 
 
 def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, out_dir: Path, cfg: dict,
-          log: logging.Logger | None = None) -> dict:
-    """Train a drafter and write its checkpoint directory; returns a summary dict.
+          log: logging.Logger | None = None, curves_spec: dict | None = None) -> dict:
+    """Train a drafter and write its checkpoint directory; returns a summary dict. ``curves_spec``:
+    where its live curves go (``dflash.curves.curve_spec``; None: nowhere but train_log.jsonl).
 
     Every ``save_every`` steps a resume point (weights, optimizer, RNG and data position) is
     written beside the output; a re-run with the same settings and data continues from the newest
@@ -165,7 +169,7 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
     with sigterm_exits("training stopped; a re-run resumes from the newest resume point"), (held_resume_dir(resume, out_dir) if main else nullcontext()):
         with ShardData(tokenized, hidden if online is None else None, run.config.dflash_config["target_layer_ids"],
                        run.target_config.hidden_size, target_dir.name, log, online,
-                       cfg["loss"]["labels"] == "target") as data, \
+                       cfg["loss"]["labels"] == "target", cfg["feature_rms_range"]) as data, \
                 ExitStack() as outputs:
             log.info("data: %s", data.summary)
             rows = RowOrder(len(data.rows), generator)
@@ -176,6 +180,7 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
                 tmp = outputs.enter_context(atomic_dir(out_dir, "checkpoint"))
                 log_file = outputs.enter_context(open(tmp / "train_log.jsonl", "w"))
                 log_file.writelines(train_log.lines)
+                curves = outputs.enter_context(Curves(curves_spec, step0, cfg))
             # online features are the target's forward on this device: in a second thread it would only
             # queue behind the training step's kernels and contend for the GIL, so it runs in the loop
             ahead = cfg["prefetch"] if online is None else 0
@@ -183,23 +188,31 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
                                                                steps - step0, ahead)))
             bar = progress(range(step0, steps), desc="train drafter", unit="step", initial=step0, total=steps,
                            disable=not main)  # one bar, one console story, for all ranks
+            stop = outputs.enter_context(stop_requested())
             for step, (batch, supervised, draws) in zip(bar, batches):
-                lr, step_loss, sums = _train_step(run, batch, supervised, step, cfg, dist)
+                lr, step_loss, sums, grad_norm, stopping = _train_step(run, batch, supervised, step, cfg, dist,
+                                                                       stop.signum is not None)
                 if step_loss is None:
                     _skipped(step, train_log, cfg, out_dir, log)
                 else:
-                    train_log.add(step_loss, *sums)
+                    train_log.add(step_loss, *sums, grad_norm)
                 if (step + 1) % cfg["log_every"] == 0 or step + 1 == steps:
                     record = train_log.end_window(step + 1, lr)
                     if main:
                         log_file.write(train_log.lines[-1])
                         log_file.flush()
+                        curves.log(step + 1, train_scalars(record))
                         if record["loss"] is not None:  # None: every step of the window was skipped
                             log.info("step %d loss %.4f acc %.3f expected acceptance %.2f lr %.2e", step + 1,
                                      record["loss"], record["acc"], record["expected_acceptance"], lr)
                             bar.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
-                if cfg["save_every"] and (step + 1) % cfg["save_every"] == 0 and step + 1 < steps:
+                # preempted, a time limit near: a point of this step, not the last save's (at the last
+                # step the checkpoint is as quick to write)
+                stopping = stopping and step + 1 < steps
+                if stopping or cfg["save_every"] and (step + 1) % cfg["save_every"] == 0 and step + 1 < steps:
                     _write_resume_point(resume, fingerprint, step + 1, run, dist, draws, train_log)
+                if stopping:
+                    _stopped(step + 1, stop.signum, resume, log)
             if train_log.first_loss is None:  # not one step applied: the weights are the random start
                 _skipped(None, train_log, cfg, out_dir, log)
 
@@ -207,7 +220,7 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
             seconds = time.time() - start
             if main:
                 _write_checkpoint(tmp, model_state, run.config, cfg, train_log, step0, seconds, dist.world,
-                                  data.summary)
+                                  {**data.summary, "features": data.feature_summary()})
         if main and resume.exists():  # the checkpoint is in place: nothing left to resume
             remove_resume_points(resume)
     dist.barrier()
@@ -215,6 +228,16 @@ def train(tokenized: list[Path], hidden: list[Path] | None, target_dir: Path, ou
     return {"steps": steps, "final_loss": train_log.final_loss, "first_loss": train_log.first_loss,
             "rows": data.summary["trainable_rows"], "tokens": data.summary["trainable_tokens"],
             "seconds": seconds, "resumed_from_step": step0}
+
+
+def _stopped(step: int, signum: int | None, resume: Path, log: logging.Logger) -> None:
+    """Stop after a stop signal (SLURM's warning before a time limit or a preemption): the resume
+    point of ``step`` is written; the job exits as that signal's default would (143 for SIGTERM) so
+    a requeued or retried job resumes from it. A rank that got none stops with the others."""
+    signum = signum or signal.SIGTERM
+    notice(log, f"{signal.Signals(signum).name}: training stopped after step {step}; its resume point is in "
+                f"{resume}: the requeued job (or a re-run) resumes there, to the same weights")
+    raise SystemExit(128 + signum)
 
 
 def _skipped(step: int | None, train_log: TrainLog, cfg: dict, out_dir: Path, log: logging.Logger) -> None:
@@ -304,11 +327,12 @@ def _batch_maker(data: ShardData, rows: RowOrder, generator: torch.Generator, ru
     return next_batch
 
 
-def _train_step(run: Run, batch: Batch, supervised: int, step: int, cfg: dict,
-                dist: Distributed) -> tuple[float, float, list[torch.Tensor]]:
+def _train_step(run: Run, batch: Batch, supervised: int, step: int, cfg: dict, dist: Distributed,
+                stop: bool) -> tuple[float, float, list[torch.Tensor], float, bool]:
     """One optimizer step on this rank's slice of the global batch: its lr, the global batch's loss
-    (None when the loss or the gradient of any rank is not finite: the step is not applied), and the
-    global batch's per-position sums (correct, count, weight)."""
+    (None when the loss or the gradient of any rank is not finite: the step is not applied), the
+    global batch's per-position sums (correct, count, weight), the gradient's norm before clipping,
+    and whether any rank was asked to stop (``stop``: this one was), so that all stop after it."""
     batch = batch.to(dist.device, non_blocking=dist.device.type == "cuda")
     if cfg["feature_noise"]:
         add_feature_noise(batch, cfg["feature_noise"], cfg["seed"], step, dist.rank * cfg["batch_size"])
@@ -328,14 +352,16 @@ def _train_step(run: Run, batch: Batch, supervised: int, step: int, cfg: dict,
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
     weighted = parts.weighted_ce.float().reshape(1)
     bad = (~torch.isfinite(norm) | ~torch.isfinite(weighted)).float().reshape(1)
-    # summed with the step's sums, before the step: every rank skips the same steps, or none
-    weighted, bad, *sums = dist.sum(weighted, bad, parts.correct, parts.count, parts.weight)
+    stopping = torch.tensor([float(stop)], device=bad.device)
+    # summed with the step's sums, before the step: every rank skips the same steps, or none, and
+    # stops after the same step
+    weighted, bad, stopping, *sums = dist.sum(weighted, bad, stopping, parts.correct, parts.count, parts.weight)
     applied = not bad.item()
     if applied:
         run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     # the global batch's loss, as one process has it; None for a step not applied
-    return lr, weighted.item() / supervised if applied else None, sums
+    return lr, weighted.item() / supervised if applied else None, sums, norm.item(), bool(stopping.item())
 
 
 def _resumed(state: dict, run: Run, dist: Distributed, generator: torch.Generator, rows: RowOrder,
@@ -393,11 +419,13 @@ class TrainLog:
         self.lines: list[str] = []
         self.window = new_window(block_size)
 
-    def add(self, loss: float, correct: torch.Tensor, count: torch.Tensor, weight: torch.Tensor) -> None:
-        """An applied step's loss and per-position sums."""
+    def add(self, loss: float, correct: torch.Tensor, count: torch.Tensor, weight: torch.Tensor,
+            grad_norm: float) -> None:
+        """An applied step's loss, per-position sums and gradient norm."""
         if self.first_loss is None:
             self.first_loss = loss
         self.window["loss"] += loss
+        self.window["grad_norm"] += grad_norm
         self.window["steps"] += 1
         self.window["correct"] += correct.cpu()
         self.window["count"] += count.cpu()
@@ -419,12 +447,13 @@ class TrainLog:
     def load_state_dict(self, state: dict) -> None:
         self.first_loss, self.final_loss = state["first_loss"], state["final_loss"]
         self.skipped = state.get("skipped_steps", 0)  # a point from before steps were skipped
-        self.lines, self.window = state["log_lines"], {**state["window"], "t0": time.time()}
+        # a point written before grad_norm was logged: the window's sum starts at 0
+        self.lines, self.window = state["log_lines"], {"grad_norm": 0.0, **state["window"], "t0": time.time()}
 
 
 def new_window(block_size: int) -> dict:
     """Running sums between two train_log lines."""
-    return {"loss": 0.0, "steps": 0, "correct": torch.zeros(block_size), "count": torch.zeros(block_size),
+    return {"loss": 0.0, "grad_norm": 0.0, "steps": 0, "correct": torch.zeros(block_size), "count": torch.zeros(block_size),
             "weight": torch.zeros(block_size), "t0": time.time()}
 
 
@@ -448,6 +477,7 @@ def log_record(step: int, loss: float | None, lr: float, window: dict) -> dict:
         "loss": loss,
         "acc": (correct.sum() / count.sum().clamp(min=1)).item(),
         "lr": lr,
+        "grad_norm": window["grad_norm"] / window["steps"] if window["steps"] else None,
         "position_acc": position_acc,
         "position_weight": position_weight,
         "expected_acceptance": expected_acceptance(position_acc),
@@ -457,7 +487,7 @@ def log_record(step: int, loss: float | None, lr: float, window: dict) -> dict:
 
 
 def train_processes(processes: int, tokenized: list[Path], hidden: list[Path], target_dir: Path, out_dir: Path,
-                    cfg: dict) -> None:
+                    cfg: dict, curves_spec: dict | None = None) -> None:
     """``train`` in data-parallel processes, one per GPU (torchrun): their output goes to this
     process's stderr (a job's log), rank 0's progress lines to its job's console, and a failure
     is one error naming the rank that failed first and its reason."""
@@ -468,7 +498,8 @@ def train_processes(processes: int, tokenized: list[Path], hidden: list[Path], t
         ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                 f"--nproc_per_node={processes}", "-m", "dflash.train", "--cfg", json.dumps(cfg),
                                 "--tokenized", *map(str, tokenized), "--hidden", *map(str, hidden or []),
-                                "--target", str(target_dir), "--out", str(out_dir)],
+                                "--target", str(target_dir), "--out", str(out_dir),
+                                "--curves", json.dumps(curves_spec)],
                                stdout=console or sys.stderr, stderr=sys.stderr, env=env)
         if ranks.returncode:
             first = first_rank_error(errors) or (f"torchrun exited with {ranks.returncode} and no rank raised an "
@@ -489,10 +520,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hidden", nargs="*", type=Path, help="hidden-state shards (none with hidden_states: online)")
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--curves", default="null", help="where rank 0 writes the live curves (JSON; null: nowhere)")
     a = ap.parse_args(argv)
     setup_logging()
     with rank_error_recorded():
-        train(a.tokenized, a.hidden, a.target, a.out, json.loads(a.cfg), logging.getLogger("dflash.train"))
+        train(a.tokenized, a.hidden, a.target, a.out, json.loads(a.cfg), logging.getLogger("dflash.train"),
+              json.loads(a.curves))
 
 
 if __name__ == "__main__":

@@ -148,6 +148,40 @@ def exit_on_sigterm(note: str):
     return signal.signal(signal.SIGTERM, stop)
 
 
+class StopRequest:
+    """The first stop signal received inside :func:`stop_requested` (None until one arrives)."""
+    signum: int | None = None
+
+
+# SLURM sends SIGTERM at a preemption (then waits GraceTime) and at the time limit (then KillWait),
+# and any signal chosen with sbatch --signal=SIG@seconds before it; Snakemake and torchrun pass
+# SIGTERM on when they stop a job
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@contextmanager
+def stop_requested(signals=STOP_SIGNALS) -> Iterator[StopRequest]:
+    """While the block runs, ``signals`` only set the yielded request's ``signum``, for a loop that
+    stops at its next safe point (a training's step boundary: a resume point of that step, then
+    the exit). Off the main thread, which gets no signals, nothing is installed."""
+    request = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield request
+        return
+
+    def note(signum, frame):
+        if request.signum is None:
+            request.signum = signum
+            logging.getLogger("dflash.job").warning("%s: stopping at the next safe point", signal.Signals(signum).name)
+
+    before = {s: signal.signal(s, note) for s in signals}
+    try:
+        yield request
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
 @contextmanager
 def sigterm_exits(note: str) -> Iterator[None]:
     """:func:`exit_on_sigterm` while the block runs (a ``dflash`` command's stage, torchrun's ranks)."""

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash import eval as dflash_eval
-from dflash.config import ConfigError, check_config
+from dflash.config import ConfigError, check_config, defaults
 from dflash.models import check_fast_kernels, fast_kernels_problem, kernel_choices
 
 CUDA = torch.device("cuda")
@@ -117,12 +117,13 @@ def test_eval_warns_and_loads_with_warn(on_cuda, caplog):
     assert "target.fast_kernels: warn" in caplog.text
 
 
-def test_cli_eval_passes_the_target_policy(monkeypatch):
+def test_cli_eval_passes_the_target_policy(monkeypatch, tmp_path):
     seen = {}
-    monkeypatch.setattr(dflash_eval, "run_eval", lambda *args: seen.setdefault("cfg", args[-1]))
+    monkeypatch.setattr(dflash_eval, "run_eval", lambda *args: seen.setdefault("cfg", args[-1]) and {})
     from dflash.cli import _eval
 
-    _eval({"eval": {"device": "cpu"}, "target": {"fast_kernels": "warn"}},
+    _eval({"eval": {"device": "cpu"}, "target": {"fast_kernels": "warn"}, "run": "r1", "output_dir": str(tmp_path),
+           "train": {"steps": 10}, "tracking": {**defaults("tracking"), "tensorboard": False}},
           Namespace(checkpoint=None, target=None, heldout=None, out=None))
     assert seen["cfg"] == {"device": "cpu", "fast_kernels": "warn"}
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash.benchmarks import stage_costs
+from dflash.config import defaults
 from dflash.gates import GateError, run_gates, write_qa_summary
 from dflash.headline import headline_lines
 from dflash.io import read_json, write_json, write_jsonl_zst
@@ -98,6 +99,8 @@ def report_pages(qa_summary, tmp_path):
     write_json(ckpt / "config.json", {"architectures": ["DFlashDraftModel"], "block_size": 8,
                                       "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1, 3]},
                                       "layer_types": ["full_attention"] * 2})
+    write_json(ckpt / "trainer_state.json", {"data": {"features": {"shards": 2, "tokens": 5000, "layers": [
+        {"layer": 1, "rms_min": 0.51, "rms_max": 0.62, "max_abs": 14.5, "spread_min": 3.25}]}}})
     (ckpt / "train_log.jsonl").write_text("".join(json.dumps({"step": s, "loss": l}) + "\n" for s, l in [(10, 6.0), (20, 4.5)]))
     ev = tmp_path / "eval.json"
     summary = {"acceptance_length": 1.5, "acceptance_length_per_step": 1.8, "prompts": 1, "tokens": 9,
@@ -116,7 +119,7 @@ def report_pages(qa_summary, tmp_path):
     generated = [tmp_path / "g0.json", tmp_path / "g1.json"]
     for path, start, seconds in zip(generated, (0, 900), (1800, 2700)):
         write_json(path, {"prompts": 3, "requests": 3, "output_tokens": 1000, "seconds": seconds, "started_at": start})
-    config = {"run": "r1", "target": {"path": None}, "output_dir": "results",
+    config = {"run": "r1", "target": {"path": None}, "output_dir": "results", "tracking": defaults("tracking"),
               "generate": {"budget": {"nodes": 2, "profile": "b200", "max_cost": 500}, "enable_thinking": True},
               "plan": {"profiles": {"b200": {"gpus_per_node": 8, "gpu_hour_price": 3.0}}}}
     about = provenance(config, Path(__file__).parent)
@@ -153,6 +156,10 @@ def test_report_aggregates_every_stage(report_pages):
     # per category: the rate per draft position (thinking on and off) and the accepted-length histogram
     assert "chat: acceptance rate per draft position" in page and "chat: draft tokens accepted per verify step" in page
     assert "<td>chat</td><td>1.500</td><td>1.200</td><td>1.800</td><td>1.800</td><td>0.80</td>" in page
+    assert "Live curves" in page and "TensorBoard: <code>tensorboard --logdir results/curves</code>" in page
+    # the target's features the drafter read, per layer (the feature guards' statistics)
+    assert "over 2 shard(s) and 5,000 tokens" in page
+    assert "<td>1</td><td>0.51</td><td>0.62</td><td>14.5</td><td>3.25</td>" in page
     assert json.loads((pages / "summary.json").read_text()) == s
 
 

@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from safetensors.torch import load_file
 
+from dflash.config import load_config
 from dflash.io import read_jsonl
+from dflash.train import drafter_train_cfg, train
 from tests import slurm_cluster
 from tests.conftest import ROOT, demo_slice, small_run_config
 
@@ -85,6 +88,8 @@ def test_demo_through_the_b200_profile(slurm, tmp_path, demo_sources, target_dir
             assert f" -t {runtime} " in call and "--cpus-per-gpu=12" in call or rule == "generate", call
     train = calls["train"][0]
     assert "--gpus=b200:1" in train and "--exclusive" in train and "--nodes=1" in train and " -t 2880 " in train
+    # a preempted job is requeued; a time limit near, train hears of it 10 minutes ahead
+    assert " --requeue " in train and "--signal=TERM@600" in train and "--open-mode=append" in train, train
     for rule in ("prompts", "validate", "tokenize"):
         assert all(" -p cpu " in c and "--gpus" not in c for c in calls[rule]), calls[rule]
     assert "--cpus-per-task=16" in calls["prompts"][0] and "--mem 64000" in calls["prompts"][0]
@@ -196,3 +201,42 @@ def test_a_killed_snakemake_resumes_without_duplicates(slurm, long_shard):
     while generate_jobs():
         assert time.time() < deadline, generate_jobs()
         time.sleep(1)
+
+
+def test_a_preempted_train_job_is_requeued_and_resumes_to_the_same_weights(slurm, tmp_path, demo_sources,
+                                                                           target_dir):
+    """``scontrol requeue`` on the running train job does what a preemption with PreemptMode=REQUEUE
+    does: SIGTERM to the job, then the job back in the queue and run again. No periodic resume
+    points (save_every 0): the one it resumes from is the step the signal found."""
+
+    cfg = small_run_config(tmp_path, demo_sources, target_dir, train_steps=600)
+    cfg["train"].update(log_every=1, save_every=0)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    checkpoint = tmp_path / "results" / "checkpoints" / "demo"
+    proc = subprocess.Popen(command(tmp_path, "slurm-b200", str(checkpoint.relative_to(tmp_path))),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
+    deadline = time.time() + 600  # the stages before it run first, through SLURM too
+    logs = lambda: list(checkpoint.parent.glob(".demo.*.tmp/train_log.jsonl"))  # noqa: E731
+    while not logs() or len(logs()[0].read_text().splitlines()) < 2:
+        assert proc.poll() is None, f"snakemake ended early: {proc.communicate()[0][-3000:]}"
+        assert time.time() < deadline, "the train job never got going"
+        time.sleep(0.2)
+    out = subprocess.run(["squeue", "-h", "-o", "%i %k"], capture_output=True, text=True).stdout
+    (job,) = [line.split()[0] for line in out.splitlines() if "rule_train" in line]
+    subprocess.run(["scontrol", "requeue", job], check=True)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out[-4000:]
+    # the rule's log is the requeued run's; the SLURM log (--open-mode=append) has both runs
+    (slurm_log,) = (tmp_path / "logs" / "slurm" / "rule_train" / "demo").glob(f"{job}.log")
+    both = slurm_log.read_text()
+    stopped = re.search(r"SIGTERM: training stopped after step (\d+); its resume point is in", both)
+    assert stopped and 2 <= int(stopped.group(1)) < 600, both[-3000:]
+    log = (tmp_path / "results" / "logs" / "train" / "demo.log").read_text()
+    assert f"(step {stopped.group(1)})" in log and "resuming from" in log, log[:3000]
+
+    config = load_config(tmp_path / "config.yaml")
+    shards = sorted((tmp_path / "results" / "tokenized").glob("shard-*.safetensors"))
+    train(shards, [tmp_path / "results" / "hidden" / p.name for p in shards], target_dir, tmp_path / "whole",
+          {**drafter_train_cfg(config, target_dir), "fast_kernels": config["target"]["fast_kernels"]})
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(checkpoint / "model.safetensors")
+    assert all(a[k].equal(b[k]) for k in a)

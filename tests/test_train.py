@@ -334,7 +334,7 @@ def test_train_overfits_and_writes_checkpoint(tiny_target_dir, shards, tmp_path)
 
     lines = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(10, 151, 10))
-    assert set(lines[0]) == {"step", "loss", "acc", "lr", "position_acc", "position_weight", "expected_acceptance",
+    assert set(lines[0]) == {"step", "loss", "acc", "lr", "grad_norm", "position_acc", "position_weight", "expected_acceptance",
                              "tokens_per_s", "seconds"}
     acc = lines[-1]["position_acc"]
     assert lines[-1]["expected_acceptance"] == pytest.approx(1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2])
@@ -439,29 +439,36 @@ def test_failed_run_resumes_to_the_same_weights_while_prefetching(tiny_target_di
            "feature_noise": 1.0}
     train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "whole", cfg)
 
-    lr_at = dflash.train.lr_at
-
-    def fail_at_step_7(step, *args):
-        if step == 7:
-            raise RuntimeError("interrupted")
-        return lr_at(step, *args)
-
-    monkeypatch.setattr(dflash.train, "lr_at", fail_at_step_7)
     with pytest.raises(RuntimeError, match="interrupted"):
-        train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "resumed", cfg)
+        interrupted_at(7, monkeypatch, train, [shards[0]], [shards[1]], tiny_target_dir, tmp_path / "resumed", cfg)
     if optimizer == "adamw":  # as the trainer wrote them before there was a choice: they still resume
         points = list((tmp_path / ".resumed.resume").glob("step-*.pt"))
         assert points
         for point in points:
             state = torch.load(point, weights_only=True)
             torch.save({**state, "optimizer": state["optimizer"]["optimizers"][0]}, point)
-    monkeypatch.setattr(dflash.train, "lr_at", lr_at)
     summary = train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "resumed", cfg)
     assert summary["resumed_from_step"] == 6
     a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     whole, resumed = ((tmp_path / d / "train_log.jsonl").read_text().splitlines() for d in ("whole", "resumed"))
     assert [json.loads(x)["loss"] for x in whole] == [json.loads(x)["loss"] for x in resumed]
+
+
+def interrupted_at(step: int, monkeypatch, run, *args, **kwargs):
+    """``run(*args, **kwargs)`` with the training failing as it starts step ``step`` (0-based)."""
+    lr_at = dflash.train.lr_at
+
+    def fail(at, *more):
+        if at == step:
+            raise RuntimeError("interrupted")
+        return lr_at(at, *more)
+
+    monkeypatch.setattr(dflash.train, "lr_at", fail)
+    try:
+        return run(*args, **kwargs)
+    finally:
+        monkeypatch.setattr(dflash.train, "lr_at", lr_at)
 
 
 def _rewrite(path: Path, out: Path, tensors: dict | None = None, metadata: dict | None = None) -> Path:
@@ -673,24 +680,42 @@ train([tok], [hid], target, out, json.loads(sys.argv[5]))
 """
 
 
-def test_sigterm_during_training_leaves_no_temp_folder(tiny_target_dir, shards, tmp_path):
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_writes_a_fresh_resume_point_and_the_rerun_ends_with_the_same_weights(
+        tiny_target_dir, shards, tmp_path, signum):
+    """SLURM's warning before a time limit or a preemption (SIGTERM, or sbatch --signal's choice):
+    the training stops after the step it is in, with that step's resume point (no periodic ones
+    here: save_every 0), and no temporary checkpoint; the next run resumes there bit-exact."""
     import signal
     import time
 
-    cfg = {**TRAIN_CFG, "steps": 100000, "log_every": 1, "save_every": 0}
+    cfg = {**TRAIN_CFG, "steps": 200, "log_every": 1, "save_every": 0, "prefetch": 2}
     proc = subprocess.Popen([sys.executable, "-c", _SIGTERMED, *map(str, (*shards, tiny_target_dir, tmp_path / "out")),
                              json.dumps(cfg)], cwd=Path(__file__).resolve().parents[1], stderr=subprocess.PIPE,
                             text=True)
     deadline = time.time() + 120
-    while not list(tmp_path.glob(".out.*.tmp/train_log.jsonl")) or not any(
-            p.stat().st_size for p in tmp_path.glob(".out.*.tmp/train_log.jsonl")):  # training, not loading
+    logs = lambda: list(tmp_path.glob(".out.*.tmp/train_log.jsonl"))  # noqa: E731
+    while not logs() or not any(p.stat().st_size for p in logs()):  # training, not loading
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else ""
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+    logged = len(logs()[0].read_text().splitlines())
+    proc.send_signal(getattr(signal, signum))
     err = proc.communicate(timeout=60)[1]
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "SIGTERM: training stopped; a re-run resumes from the newest resume point" in err
-    assert list(tmp_path.iterdir()) == []  # no temp checkpoint, no resume folder
+    assert proc.returncode == 128 + getattr(signal, signum), err
+    (point,) = (tmp_path / ".out.resume").glob("step-*.pt")
+    step = int(point.stem.split("-")[1])
+    assert logged <= step < cfg["steps"], err  # the step it was in, not an older one
+    assert f"{signum}: training stopped after step {step}; its resume point is in" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.resume"]  # no temp checkpoint
+
+    summary = train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "out", cfg)
+    assert summary["resumed_from_step"] == step
+    train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "whole", cfg)
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "whole" / "train_log.jsonl").read_text().count("\n") == cfg["steps"]
+    assert [json.loads(x)["loss"] for x in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()] == [
+        json.loads(x)["loss"] for x in (tmp_path / "whole" / "train_log.jsonl").read_text().splitlines()]
 
 
 _FULL_DISK = """

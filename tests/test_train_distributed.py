@@ -89,3 +89,30 @@ def test_killed_ddp_run_resumes_to_the_same_weights(tiny_target_dir, shards, tmp
     assert "resuming from" in out and not resume.exists(), out
     whole, resumed = weights(tmp_path / "whole"), weights(tmp_path / "killed")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+@pytest.mark.slow
+def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step(tiny_target_dir, shards, tmp_path):  # noqa: F811
+    """SIGTERM reaches rank 1 alone (a signal is per process): the ranks agree in the step's
+    all-reduce, all stop after that step, rank 0 writes its resume point, and the re-run resumes to
+    the weights of a run never stopped."""
+    cfg = {**TRAIN_CFG, "steps": 300, "log_every": 1, "save_every": 0}
+    torchrun(shards, tiny_target_dir, tmp_path / "whole", cfg)
+    run = torchrun(shards, tiny_target_dir, tmp_path / "stopped", cfg, wait=False)
+    deadline = time.time() + 300
+    logs = lambda: list(tmp_path.glob(".stopped.*.tmp/train_log.jsonl"))  # noqa: E731
+    while not logs() or len(logs()[0].read_text().splitlines()) < 2:
+        assert run.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    pids = subprocess.run(["pgrep", "-f", f"dflash.train .*{tmp_path / 'stopped'}"], capture_output=True,
+                          text=True).stdout.split()
+    ranks = {int(dict(v.split("=", 1) for v in open(f"/proc/{pid}/environ").read().split("\0") if "=" in v)
+                  .get("RANK", -1)): int(pid) for pid in pids}
+    os.kill(ranks[1], signal.SIGTERM)
+    assert run.wait(timeout=120) != 0
+    (point,) = (tmp_path / ".stopped.resume").glob("step-*.pt")
+    assert 2 <= int(point.stem.split("-")[1]) < cfg["steps"] and not (tmp_path / "stopped").exists()
+    out = torchrun(shards, tiny_target_dir, tmp_path / "stopped", cfg)
+    assert f"(step {int(point.stem.split('-')[1])})" in out, out[-3000:]
+    whole, resumed = weights(tmp_path / "whole"), weights(tmp_path / "stopped")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
