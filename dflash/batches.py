@@ -37,8 +37,6 @@ class Row:
     loss_mask: torch.Tensor  # bool [T]
 
 
-
-
 class NothingToTrain(ValueError):
     """No row of the shards can anchor a block."""
 
@@ -149,10 +147,12 @@ class ShardData:
             handle = self.handles[row.shard]
             greedy = handle.get_slice("target_argmax")[row.start:row.end] if self.greedy else None
             features = cached_features(handle, row.start, row.end)
-        path, offsets = self.shard_paths[row.shard], self.shard_offsets[row.shard]
-        self.guard.add_row(row.shard, features, lambda: f"{self.guard.names[row.shard]}: "
-                                                        f"{row_name(path, int(torch.searchsorted(offsets, row.start)))}")
+        self.guard.add_row(row.shard, features, lambda: f"{self.guard.names[row.shard]}: {self._row_name(row)}")
         return features, greedy
+
+    def _row_name(self, row: Row) -> str:
+        path, offsets = self.shard_paths[row.shard], self.shard_offsets[row.shard]
+        return row_name(path, int(torch.searchsorted(offsets, row.start)))
 
     def feature_summary(self) -> dict | None:
         """Per target layer, the features' statistics over the shards (``FeatureGuard.summary``)."""

@@ -99,10 +99,11 @@ def check_summary(summary: dict, where: str, reference: dict | None, rms_range: 
         if rms_range and layer in ref and ref[layer]["rms"] > 0:
             ratio = rms / ref[layer]["rms"]
             if not 1 / rms_range <= ratio <= rms_range:
-                raise FeatureError(f"{where}: target layer {layer}: rms {rms:.4g}, {ratio:.3g}x that of {reference_name} "
-                                   f"({ref[layer]['rms']:.4g}), outside train.feature_rms_range ({rms_range:g}): "
-                                   f"features of another model, or from a broken node? Rebuild this shard's hidden "
-                                   f"states, or raise train.feature_rms_range if the data really differ this much")
+                raise FeatureError(f"{where}: target layer {layer}: rms {rms:.4g}, {ratio:.3g}x that of "
+                                   f"{reference_name} ({ref[layer]['rms']:.4g}), outside train.feature_rms_range "
+                                   f"({rms_range:g}): features of another model, or from a broken node? Rebuild "
+                                   f"this shard's hidden states, or raise train.feature_rms_range if the data "
+                                   f"really differ this much")
 
 
 def summary_from_metadata(metadata: dict | None) -> dict | None:
@@ -122,7 +123,8 @@ def layer_ranges(summaries: list[dict]) -> dict | None:
             layer = layers.setdefault(s["layer"], {"layer": s["layer"], "rms_min": s["rms"], "rms_max": s["rms"],
                                                    "max_abs": s["max_abs"], "spread_min": s["spread"]})
             layer["rms_min"], layer["rms_max"] = min(layer["rms_min"], s["rms"]), max(layer["rms_max"], s["rms"])
-            layer["max_abs"], layer["spread_min"] = max(layer["max_abs"], s["max_abs"]), min(layer["spread_min"], s["spread"])
+            layer["max_abs"] = max(layer["max_abs"], s["max_abs"])
+            layer["spread_min"] = min(layer["spread_min"], s["spread"])
     return {"shards": len(summaries), "tokens": sum(s["tokens"] for s in summaries), "layers": list(layers.values())}
 
 

@@ -134,9 +134,10 @@ def check_token_ids(tokenized_path: Path, input_ids: torch.Tensor, offsets: torc
         return
     at = int(bad[0])
     row = int(torch.searchsorted(offsets, at, right=True)) - 1
-    raise ValueError(f"{tokenized_path}: {row_name(tokenized_path, row)} holds token id {int(input_ids[at])}, outside the target's "
-                     f"vocabulary of {vocab_size} ids ({len(bad)} of the shard's {len(input_ids)} tokens are): it was "
-                     f"tokenized with another tokenizer; re-run tokenize with this target's")
+    raise ValueError(f"{tokenized_path}: {row_name(tokenized_path, row)} holds token id {int(input_ids[at])}, "
+                     f"outside the target's vocabulary of {vocab_size} ids ({len(bad)} of the shard's "
+                     f"{len(input_ids)} tokens are): it was tokenized with another tokenizer; re-run tokenize with "
+                     f"this target's")
 
 
 def capture_shard(tokenized_path: Path, out_path: Path, target_dir: Path, layers: dict,
