@@ -10,7 +10,7 @@ still add given the drafter's smoothed confidence up to it), summed and divided 
 supervised slots in the step's global batch.
 
 ``cfg``: the config's ``drafter`` and ``train`` sections merged (``mask_token`` resolved to
-``mask_token_id``, ``gpus`` left to the launcher) and ``target.fast_kernels``; keys left out take
+``mask_token_id``, ``gpus`` and ``nodes`` left to the launcher) and ``target.fast_kernels``; keys left out take
 the schema's defaults (``dflash/schemas/config.schema.yaml`` documents each), unknown keys are errors.
 
 Output directory (written under a temporary name, renamed when complete):
@@ -61,6 +61,8 @@ from dflash.train_resume import (held_resume_dir, newest_resume_point, remove_re
                                  run_fingerprint, save_resume_point)
 from dflash.workflow import CONSOLE_FD, job_console, notice, progress, sigterm_exits, stop_requested
 
+LAUNCHER_KEYS = ("gpus", "nodes")  # how many processes, and where: the launcher's business, not the trainer's
+RENDEZVOUS_PORT = 29500  # torchrun's default, at the first node of a run over several
 ARCH_KEYS = ("num_layers", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "block_size",
              "mask_token_id", "target_layer_ids", "layer_types", "sliding_window")
 
@@ -88,7 +90,7 @@ def drafter_train_cfg(config: dict, target: str | Path) -> dict:
         if mask_id is None or mask_id == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(mask_id) != token:
             raise ValueError(f"drafter.mask_token {token!r} is not a token of {target}; set drafter.mask_token_id")
         drafter["mask_token_id"] = mask_id
-    train = {k: v for k, v in config["train"].items() if k != "gpus"}  # how many processes: the launcher's business
+    train = {k: v for k, v in config["train"].items() if k not in LAUNCHER_KEYS}
     return {**drafter, **train}
 
 
@@ -103,7 +105,7 @@ def trainer_defaults() -> dict:
     """What the trainer takes, at the schema's defaults: the drafter and train sections as
     ``drafter_train_cfg`` merges them, and the target's ``fast_kernels``."""
     drafter = {k: v for k, v in defaults("drafter").items() if k != "mask_token"}
-    train = {k: v for k, v in defaults("train").items() if k != "gpus"}
+    train = {k: v for k, v in defaults("train").items() if k not in LAUNCHER_KEYS}
     return {**drafter, **train, "fast_kernels": defaults("target")["fast_kernels"]}
 
 
@@ -407,17 +409,44 @@ def _refuse_nonfinite(model_state: dict, where: Path) -> None:
                            f"lower train.lr and re-run")
 
 
+def torchrun_args(processes: int, nodes: int = 1, rendezvous: str | None = None, run_id: str = "dflash") -> list[str]:
+    """torchrun's launch flags: ``processes`` on this machine alone, or on each of ``nodes`` machines
+    that meet at ``rendezvous`` (``host:port`` of the first; c10d, so nothing but torch is needed)
+    under ``run_id``; the rendezvous hands out the node ranks."""
+    if nodes == 1:
+        return ["--standalone", f"--nproc_per_node={processes}"]
+    return [f"--nnodes={nodes}", f"--nproc_per_node={processes}", "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={rendezvous}", f"--rdzv_id={run_id}"]
+
+
+def slurm_nodes_launch(nodes: int) -> tuple[list[str], str, str]:
+    """(the srun prefix that starts one task per node, the first node's rendezvous address, the
+    run id) for a train job holding ``nodes`` nodes of a SLURM allocation."""
+    nodelist, job = os.environ.get("SLURM_JOB_NODELIST"), os.environ.get("SLURM_JOB_ID", "dflash")
+    if not nodelist or int(os.environ.get("SLURM_JOB_NUM_NODES", "1")) < nodes:
+        raise RuntimeError(f"train.nodes is {nodes}: the train job must run in a SLURM allocation of {nodes} nodes "
+                           f"(this one has {os.environ.get('SLURM_JOB_NUM_NODES', 'none')}): request them for the "
+                           f"train job (--set-resources train:nodes={nodes}), or set train.nodes: 1")
+    first = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                           check=True).stdout.split()[0]
+    return (["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--overlap"],
+            f"{first}:{RENDEZVOUS_PORT}", job)
+
+
 def train_processes(processes: int, tokenized: list[Path], hidden: list[Path], target_dir: Path, out_dir: Path,
-                    cfg: dict, curves_spec: dict | None = None) -> None:
-    """``train`` in data-parallel processes, one per GPU (torchrun): their output goes to this
-    process's stderr (a job's log), rank 0's progress lines to its job's console, and a failure
-    is one error naming the rank that failed first and its reason."""
+                    cfg: dict, curves_spec: dict | None = None, nodes: int = 1) -> None:
+    """``train`` in data-parallel processes, one per GPU (torchrun), on this node or on each of
+    ``nodes`` (srun in the job's SLURM allocation): their output goes to this process's stderr (a
+    job's log), rank 0's progress lines to its job's console, and a failure is one error naming the
+    rank that failed first and its reason."""
+    prefix, rendezvous, run_id = slurm_nodes_launch(nodes) if nodes > 1 else ([], None, "dflash")
     console = job_console()
     with tempfile.TemporaryDirectory(prefix="dflash-ranks-") as errors:
         # the ranks' stderr is the log from the start: their stdout is the console
         env = {**os.environ, RANK_ERRORS: errors, **({CONSOLE_FD: "1"} if console else {})}
-        ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                f"--nproc_per_node={processes}", "-m", "dflash.train", "--cfg", json.dumps(cfg),
+        ranks = subprocess.run([*prefix, sys.executable, "-m", "torch.distributed.run",
+                                *torchrun_args(processes, nodes, rendezvous, run_id), "-m", "dflash.train",
+                                "--cfg", json.dumps(cfg),
                                 "--tokenized", *map(str, tokenized), "--hidden", *map(str, hidden or []),
                                 "--target", str(target_dir), "--out", str(out_dir),
                                 "--curves", json.dumps(curves_spec)],

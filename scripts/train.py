@@ -9,8 +9,8 @@ i = snakemake.input
 cfg = drafter_train_cfg({"drafter": snakemake.params.drafter, "train": snakemake.params.train}, i.target)
 cfg["fast_kernels"] = snakemake.config["target"]["fast_kernels"]  # not a param: it changes no result
 curves = curve_spec(snakemake.config, snakemake.wildcards.run, "train")  # not a param: it changes no result
-gpus = snakemake.params.train["gpus"]
-if gpus == 1:
+gpus, nodes = snakemake.params.train["gpus"], snakemake.params.train["nodes"]
+if gpus == nodes == 1:
     train(list(i.tokenized), list(i.hidden) or None, i.target, snakemake.output[0], cfg, curves_spec=curves)
-else:  # one process per GPU, data-parallel
-    train_processes(gpus, list(i.tokenized), list(i.hidden), i.target, snakemake.output[0], cfg, curves)
+else:  # one process per GPU, data-parallel, on this node or on each of the job's nodes
+    train_processes(gpus, list(i.tokenized), list(i.hidden), i.target, snakemake.output[0], cfg, curves, nodes)

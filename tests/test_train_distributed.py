@@ -92,7 +92,8 @@ def test_killed_ddp_run_resumes_to_the_same_weights(tiny_target_dir, shards, tmp
 
 
 @pytest.mark.slow
-def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step(tiny_target_dir, shards, tmp_path):  # noqa: F811
+def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step(tiny_target_dir, shards,  # noqa: F811
+                                                                         tmp_path):
     """SIGTERM reaches rank 1 alone (a signal is per process): the ranks agree in the step's
     all-reduce, all stop after that step, rank 0 writes its resume point, and the re-run resumes to
     the weights of a run never stopped."""
@@ -116,3 +117,44 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step(tiny_tar
     assert f"(step {int(point.stem.split('-')[1])})" in out, out[-3000:]
     whole, resumed = weights(tmp_path / "whole"), weights(tmp_path / "stopped")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+@pytest.mark.slow
+def test_two_nodes_train_as_one_process_on_the_global_batch(tiny_target_dir, shards, tmp_path):  # noqa: F811
+    """Two "nodes" on this machine: two torchrun agents with the launch flags train.nodes: 2 gives
+    each node (train_processes, under SLURM one per node through srun), meeting at a c10d
+    rendezvous; one process each. Their weights are one process's on the global batch, to the DDP
+    test's tolerance (AdamW: float rounding)."""
+    import socket
+
+    from dflash.train import torchrun_args
+
+    cfg = {**TRAIN_CFG, "steps": 20, "log_every": 5, "optimizer": "adamw"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["-m", "dflash.train", "--cfg", json.dumps(cfg), "--tokenized", str(shards[0]), "--hidden", str(shards[1]),
+            "--target", str(tiny_target_dir), "--out", str(tmp_path / "nodes")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run",
+                               *torchrun_args(1, 2, f"127.0.0.1:{port}", "two-nodes"), *args],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert json.loads((tmp_path / "nodes" / "trainer_state.json").read_text())["processes"] == 2
+    one = subprocess.run([sys.executable, "-m", "dflash.train", "--cfg",
+                          json.dumps({**cfg, "batch_size": 2 * cfg["batch_size"]}), *args[4:-1], str(tmp_path / "one")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two, single = weights(tmp_path / "nodes"), weights(tmp_path / "one")
+    assert max((two[k] - single[k]).abs().max().item() for k in single) < 1e-4
+
+
+def test_several_nodes_need_a_slurm_allocation_of_them(tiny_target_dir, shards, tmp_path, monkeypatch):  # noqa: F811
+    from dflash.train import train_processes
+
+    for var in ("SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(RuntimeError, match=r"train\.nodes is 2: the train job must run in a SLURM allocation of 2 "
+                                           r"nodes \(this one has none\)"):
+        train_processes(1, [shards[0]], [shards[1]], tiny_target_dir, tmp_path / "out", TRAIN_CFG, None, 2)
