@@ -116,6 +116,9 @@ if GPUS is not None:
         if claim > GPUS:
             stop(f"{key} is {claim}, but this run offers {GPUS} GPU(s) (--resources gpu, which profiles/local "
                  f"sets to the machine's count): lower {key} or run on a bigger node")
+    if config["train"]["nodes"] > 1:
+        stop(f"train.nodes is {config['train']['nodes']}, but profiles/local runs on this machine alone: set "
+             f"train.nodes: 1, or run under a SLURM profile (profiles/slurm-*), which requests the nodes")
 LOGS = f"{OUT}/logs"
 BENCH = f"{OUT}/benchmarks"
 

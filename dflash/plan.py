@@ -12,7 +12,7 @@ from pathlib import Path
 from dflash.acceptance import decodings
 from dflash.hidden_cache import text_config
 from dflash.io import read_json
-from dflash.units import human_bytes, human_duration
+from dflash.units import human_bytes, human_count, human_duration
 
 Z95 = 1.96  # the ranges: 95% intervals of the pilot's sampling error
 # The story's completions: 7.25 GB of zstd JSONL for 1.64e9 output tokens (used without a pilot).
@@ -166,11 +166,6 @@ def _jobs(config: dict, shards: int) -> dict[str, int]:
             "train": 1, "eval_decode": len(decodings(config["eval"])) * config["eval"]["jobs"], "eval": 1, "qa_summary": 1, "gate": 1, "report": 1}
 
 
-def _count(x: float) -> str:
-    """1.64e9 -> '1.64e9', 4321 -> '4,321'."""
-    return f"{x:,.0f}" if x < 1e6 else f"{x:.3g}".replace("e+0", "e").replace("e+", "e")
-
-
 def _money(x: float | None) -> str:
     return "-" if x is None else f"${x:,.0f}"
 
@@ -180,13 +175,13 @@ def plan_lines(plan: dict) -> list[str]:
     if "error" in plan:
         return [f"plan: {plan['error']}"]
     low, high = plan["output_tokens_range"]
-    span = f" ({_count(low)} to {_count(high)})" if high > low else ""
-    lines = [f"plan: {plan['prompts']:,} prompts (from {plan['counted_from']}), {_count(plan['output_tokens'])} output "
-             f"tokens{span} (from {plan['output_tokens_from']})"]
+    span = f" ({human_count(low)} to {human_count(high)})" if high > low else ""
+    lines = [f"plan: {plan['prompts']:,} prompts (from {plan['counted_from']}), {human_count(plan['output_tokens'])} "
+             f"output tokens{span} (from {plan['output_tokens_from']})"]
     if a := plan.get("loop_abort"):
         lines.append(f"  loop aborts: the pilot cut {a['records']:,} looping generation{'s' * (a['records'] != 1)}, "
                      f"{a['tokens_saved']:,} tokens not generated; the forecast counts them as cut (without "
-                     f"generate.loop_abort: {_count(a['output_tokens_without'])} output tokens, "
+                     f"generate.loop_abort: {human_count(a['output_tokens_without'])} output tokens, "
                      f"{a['saved_per_output_token']:+.1%})")
     for kind, g in plan["generation"].items():
         if not g["forecast"]:

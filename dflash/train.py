@@ -32,9 +32,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, closing, nullcontext
@@ -48,7 +45,7 @@ from dflash.batches import Batch, RowOrder, ShardData, add_feature_noise, make_b
 from dflash.config import completed, defaults
 from dflash.curves import Curves, train_scalars
 from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config, nonfinite_tensors, write_drafter_state
-from dflash.errors import RANK_ERRORS, first_rank_error, rank_error_recorded
+from dflash.errors import rank_error_recorded
 from dflash.io import atomic_dir, json_text, replace_problem
 from dflash.models import check_fast_kernels, pick_device
 from dflash.objective import LABELS, WEIGHTS, block_loss, supervision
@@ -59,10 +56,9 @@ from dflash.train_cost import DRAFTER_FROM_TARGET
 from dflash.train_log import TrainLog
 from dflash.train_resume import (held_resume_dir, newest_resume_point, remove_resume_points, resume_dir,
                                  run_fingerprint, save_resume_point)
-from dflash.workflow import CONSOLE_FD, job_console, notice, progress, sigterm_exits, stop_requested
+from dflash.workflow import notice, progress, sigterm_exits, stop_requested
 
 LAUNCHER_KEYS = ("gpus", "nodes")  # how many processes, and where: the launcher's business, not the trainer's
-RENDEZVOUS_PORT = 29500  # torchrun's default, at the first node of a run over several
 ARCH_KEYS = ("num_layers", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "block_size",
              "mask_token_id", "target_layer_ids", "layer_types", "sliding_window")
 
@@ -409,55 +405,6 @@ def _refuse_nonfinite(model_state: dict, where: Path) -> None:
                            f"lower train.lr and re-run")
 
 
-def torchrun_args(processes: int, nodes: int = 1, rendezvous: str | None = None, run_id: str = "dflash") -> list[str]:
-    """torchrun's launch flags: ``processes`` on this machine alone, or on each of ``nodes`` machines
-    that meet at ``rendezvous`` (``host:port`` of the first; c10d, so nothing but torch is needed)
-    under ``run_id``; the rendezvous hands out the node ranks."""
-    if nodes == 1:
-        return ["--standalone", f"--nproc_per_node={processes}"]
-    return [f"--nnodes={nodes}", f"--nproc_per_node={processes}", "--rdzv_backend=c10d",
-            f"--rdzv_endpoint={rendezvous}", f"--rdzv_id={run_id}"]
-
-
-def slurm_nodes_launch(nodes: int) -> tuple[list[str], str, str]:
-    """(the srun prefix that starts one task per node, the first node's rendezvous address, the
-    run id) for a train job holding ``nodes`` nodes of a SLURM allocation."""
-    nodelist, job = os.environ.get("SLURM_JOB_NODELIST"), os.environ.get("SLURM_JOB_ID", "dflash")
-    if not nodelist or int(os.environ.get("SLURM_JOB_NUM_NODES", "1")) < nodes:
-        raise RuntimeError(f"train.nodes is {nodes}: the train job must run in a SLURM allocation of {nodes} nodes "
-                           f"(this one has {os.environ.get('SLURM_JOB_NUM_NODES', 'none')}): request them for the "
-                           f"train job (--set-resources train:nodes={nodes}), or set train.nodes: 1")
-    first = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                           check=True).stdout.split()[0]
-    return (["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--overlap"],
-            f"{first}:{RENDEZVOUS_PORT}", job)
-
-
-def train_processes(processes: int, tokenized: list[Path], hidden: list[Path], target_dir: Path, out_dir: Path,
-                    cfg: dict, curves_spec: dict | None = None, nodes: int = 1) -> None:
-    """``train`` in data-parallel processes, one per GPU (torchrun), on this node or on each of
-    ``nodes`` (srun in the job's SLURM allocation): their output goes to this process's stderr (a
-    job's log), rank 0's progress lines to its job's console, and a failure is one error naming the
-    rank that failed first and its reason."""
-    prefix, rendezvous, run_id = slurm_nodes_launch(nodes) if nodes > 1 else ([], None, "dflash")
-    console = job_console()
-    with tempfile.TemporaryDirectory(prefix="dflash-ranks-") as errors:
-        # the ranks' stderr is the log from the start: their stdout is the console
-        env = {**os.environ, RANK_ERRORS: errors, **({CONSOLE_FD: "1"} if console else {})}
-        ranks = subprocess.run([*prefix, sys.executable, "-m", "torch.distributed.run",
-                                *torchrun_args(processes, nodes, rendezvous, run_id), "-m", "dflash.train",
-                                "--cfg", json.dumps(cfg),
-                                "--tokenized", *map(str, tokenized), "--hidden", *map(str, hidden or []),
-                                "--target", str(target_dir), "--out", str(out_dir),
-                                "--curves", json.dumps(curves_spec)],
-                               stdout=console or sys.stderr, stderr=sys.stderr, env=env)
-        if ranks.returncode:
-            first = first_rank_error(errors) or (f"torchrun exited with {ranks.returncode} and no rank raised an "
-                                                 f"error (killed or crashed: out of memory?)")
-            raise RuntimeError(f"training in {processes} processes failed: {first}\n(every rank's output is in the "
-                               f"log; a re-run resumes from the last resume point)")
-
-
 def main(argv: list[str] | None = None) -> None:
     """Entry point of each torchrun process (``train_processes`` starts them)."""
     import argparse
@@ -473,9 +420,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--curves", default="null", help="where rank 0 writes the live curves (JSON; null: nowhere)")
     a = ap.parse_args(argv)
     setup_logging()
+    log = logging.getLogger("dflash.train")
+    if node := os.environ.get("SLURMD_NODENAME"):  # under SLURM: which rank ran where (several nodes)
+        log.info("rank %s of %s on node %s", os.environ.get("RANK"), os.environ.get("WORLD_SIZE"), node)
     with rank_error_recorded():
-        train(a.tokenized, a.hidden, a.target, a.out, json.loads(a.cfg), logging.getLogger("dflash.train"),
-              json.loads(a.curves))
+        train(a.tokenized, a.hidden, a.target, a.out, json.loads(a.cfg), log, json.loads(a.curves))
 
 
 if __name__ == "__main__":

@@ -96,3 +96,32 @@ def step_flops(config: dict, text: dict, row_tokens: float, supervised: float) -
 def seconds(flops: float, tflops: float, utilisation: float) -> float:
     """Seconds for ``flops`` on one GPU of ``tflops`` dense bf16 TFLOPS at ``utilisation``."""
     return flops / (tflops * 1e12 * utilisation)
+
+
+def drafter_trained_params(config: dict, text: dict) -> int:
+    """The drafter's trained weights: its layers (attention and MLP) and the fc that reads the
+    target's features (norms left out; the embedding and lm_head are the target's, frozen)."""
+    drafter = config["drafter"]
+    sizes = drafter_sizes(drafter, text)
+    H = text["hidden_size"]
+    q_dim, kv_dim = sizes["num_heads"] * sizes["head_dim"], sizes["num_kv_heads"] * sizes["head_dim"]
+    layer = 2 * H * q_dim + 2 * H * kv_dim + 3 * H * sizes["intermediate_size"]
+    features = len(drafter["target_layer_ids"] or []) or drafter["num_layers"]
+    return drafter["num_layers"] * layer + features * H * H
+
+
+def allreduce_seconds(gradient_bytes: float, gpus: int, nodes: int, interconnect_gb_s: float | None,
+                      network_gb_s: float | None, parallel: str = "ddp") -> tuple[float, list[str]]:
+    """Seconds a step spends averaging ``gradient_bytes`` of gradients over ``gpus`` GPUs on each
+    of ``nodes`` nodes, and the link figures that were missing (their share left out): a ring
+    within each node over its interconnect, then across the nodes over each node's network
+    (2 (n-1)/n of the bytes cross each ring), at link speed and not overlapped with the backward
+    (DDP overlaps part of it). FSDP moves 1.5 times as much (the weights gathered for the forward
+    and again for the backward, the gradients reduce-scattered)."""
+    factor, seconds_, missing = 1.5 if parallel == "fsdp" else 1.0, 0.0, []
+    for n, rate, name in ((gpus, interconnect_gb_s, "interconnect_gb_s"), (nodes, network_gb_s, "network_gb_s")):
+        if n > 1 and rate is None:
+            missing.append(name)
+        elif n > 1:
+            seconds_ += factor * 2 * (n - 1) / n * gradient_bytes / (rate * 1e9)
+    return seconds_, missing

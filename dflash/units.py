@@ -10,6 +10,11 @@ def human_bytes(n: float) -> str:
         n /= 1000
 
 
+def human_count(x: float) -> str:
+    """1.64e9 -> '1.64e9', 4321 -> '4,321'."""
+    return f"{x:,.0f}" if x < 1e6 else f"{x:.3g}".replace("e+0", "e").replace("e+", "e")
+
+
 def percent(share: float) -> str:
     """0.0857 -> '8.6%'."""
     return f"{share:.1%}"

@@ -19,6 +19,8 @@ rule train:
     priority: 1  # before the untrained eval decoding, which fills the cores training leaves
     resources:
         gpu=config["train"]["gpus"],
+        # the SLURM profiles request these nodes whole, every GPU of each (gres, per node)
+        nodes=config["train"]["nodes"],
     log:
         f"{LOGS}/train/{{run}}.log",
     benchmark:

@@ -3,7 +3,8 @@ from dflash.workflow import start_job
 start_job(snakemake)
 
 from dflash.curves import curve_spec  # noqa: E402
-from dflash.train import drafter_train_cfg, train, train_processes  # noqa: E402
+from dflash.launch import train_processes  # noqa: E402
+from dflash.train import drafter_train_cfg, train  # noqa: E402
 
 i = snakemake.input
 cfg = drafter_train_cfg({"drafter": snakemake.params.drafter, "train": snakemake.params.train}, i.target)

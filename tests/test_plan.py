@@ -1,5 +1,6 @@
 """dflash plan: the story's run from its own figures, and a plan before the prompts exist."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -157,19 +158,22 @@ def test_the_bill_says_what_the_pilot_measured_and_what_is_assumed():
     plan = forecast(cfg, counts, output_tokens=1e7, target=target, burst=burst)
     kinds = plan["gpu_stages"]["kinds"]
     b200, rtx = kinds["b200"]["training"], kinds["rtxpro6000"]["training"]
-    assert b200["from"] == "measured by the pilot" and b200["hours"] == (120 + 50_000 * 3.0) / 3600
+    one_node = b200["spread"][0]
+    assert b200["from"] == "measured by the pilot" and one_node["hours"] == pytest.approx(
+        (120 + 50_000 * (3.0 + one_node["allreduce_seconds"])) / 3600)
     assert rtx["seconds_per_step"] == pytest.approx(3.0 * 2250 / 503.8) and "scaled" not in rtx["from"]
     assert "the pilot's rate on b200" in rtx["from"] and rtx["gpus"] == 4
     bill = kinds["b200"]["bill"]
     generation = plan["generation"]["b200"]["forecast"]
-    assert bill[1]["hours"] == pytest.approx(generation[1]["hours"] + b200["hours"] + kinds["b200"]["eval_hours"])
-    # two nodes generate; one trains and evaluates
-    node_hours = 2 * generation[1]["hours"] + b200["hours"] + kinds["b200"]["eval_hours"]
+    two_nodes = b200["spread"][1]
+    assert bill[1]["hours"] == pytest.approx(generation[1]["hours"] + two_nodes["hours"] + kinds["b200"]["eval_hours"])
+    # two nodes generate and train; one evaluates
+    node_hours = 2 * (generation[1]["hours"] + two_nodes["hours"]) + kinds["b200"]["eval_hours"]
     assert bill[1]["cost"] == pytest.approx(node_hours * 8 * 3.86)
     lines = "\n".join(plan_lines(plan))
     print(lines)
     assert "(measured by the pilot)" in lines and "x2 nodes: generation" in lines
-    assert "train.gpus 8: a global batch of 16 rows, not 32" in lines
+    assert "training on 4 GPUs a node (train.gpus 8 is more than a node has: set 4)" in lines
     del burst["kind"]
     plan = forecast(cfg, counts, output_tokens=1e7, target=target)
     assert plan["gpu_stages"]["kinds"]["rtxpro6000"]["training"]["from"] == "assumed: 503.8 TFLOPS bf16 x 40%"
@@ -181,3 +185,78 @@ def test_a_skipped_burst_leaves_training_to_the_arithmetic():
     plan = forecast(cfg, counts, output_tokens=1e7, target=ROOT / "data/demo/target",
                     burst={"kind": "b200", "steps": 0, "skipped": "nothing to train on"})
     assert plan["gpu_stages"]["kinds"]["b200"]["training"]["from"] == "assumed: 2,250 TFLOPS bf16 x 40%"
+
+
+def test_the_drafters_trained_weights_are_the_demo_drafters_own():
+    """The all-reduce's bytes: the plan's count of the drafter's trained weights (layers and fc) is
+    the demo drafter's, its norms aside."""
+    from dflash.drafter import DFlashDraftModel
+    from dflash.hidden_cache import text_config
+    from dflash.train import planned_drafter_config
+    from dflash.train_cost import drafter_trained_params
+
+    cfg = load_config(ROOT / "config.yaml")
+    target = ROOT / "data/demo/target"
+    model = DFlashDraftModel(planned_drafter_config(cfg["drafter"], target))
+    trained = sum(p.numel() for name, p in model.named_parameters() if p.requires_grad and p.dim() > 1)
+    assert drafter_trained_params(cfg, text_config(target)) == trained
+
+
+def test_the_all_reduce_by_hand():
+    from dflash.train_cost import allreduce_seconds
+
+    # a ring in each node of 8: 2 x 7/8 of 8 GB at 800 GB/s; across 2 nodes: 2 x 1/2 of it at 400 GB/s
+    assert allreduce_seconds(8e9, 8, 2, 800, 400) == (pytest.approx(0.0175 + 0.02), [])
+    assert allreduce_seconds(8e9, 8, 2, 800, 400, "fsdp")[0] == pytest.approx(1.5 * 0.0375)
+    assert allreduce_seconds(8e9, 1, 1, None, None) == (0.0, [])  # one GPU: nothing to average
+    assert allreduce_seconds(8e9, 8, 4, 800, None) == (pytest.approx(0.0175), ["network_gb_s"])
+
+
+QWEN36_TEXT = {"model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 24,
+               "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 17408, "vocab_size": 248_320,
+               "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+               "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "attn_output_gate": True,
+               "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16}
+
+
+def test_the_real_config_spreads_training_over_the_nodes_it_rents(tmp_path):
+    """config/qwen3.6-27b.yaml on B200 at 1, 2 and 4 nodes: the config's rows (50,000 steps of
+    4 rows x 8 GPUs) in 1/N of the steps, each the GPU's step and the all-reduce of the drafter's
+    fp32 gradients; the whole bill with training spread, and with training on one node."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": QWEN36_TEXT}))
+    cfg = load_config(ROOT / "config/qwen3.6-27b.yaml")
+    counts = {"prompts": STORY_PROMPTS, "categories": {"chat": STORY_PROMPTS}, "shards": 1828, "heldout": 500,
+              "from": "--prompts"}
+    plan = forecast(cfg, counts, output_tokens=STORY_TOKENS, target=tmp_path / "config.json")
+    stages = plan["gpu_stages"]
+    b200 = stages["kinds"]["b200"]
+    t, bills = b200["training"], b200["bill"]
+    assert stages["train_rows"] == 50_000 * 4 * 8 and 1.8e9 < stages["gradient_bytes"] / 4 < 1.9e9
+    assert [(x["nodes"], x["steps"], x["rows_per_step"]) for x in t["spread"]] == [(1, 50_000, 32), (2, 25_000, 64),
+                                                                                  (4, 12_500, 128)]
+    grads = stages["gradient_bytes"]
+    for x in t["spread"]:
+        n = x["nodes"]
+        assert x["allreduce_seconds"] == pytest.approx(2 * 7 / 8 * grads / 900e9 + 2 * (n - 1) / n * grads / 400e9)
+        assert x["hours"] == pytest.approx(x["steps"] * (t["seconds_per_step"] + x["allreduce_seconds"]) / 3600)
+    generation = plan["generation"]["b200"]["forecast"]
+    for b, g, x in zip(bills, generation, t["spread"]):
+        n = b["nodes"]
+        assert b["training_hours"] == x["hours"] and b["hours"] == pytest.approx(g["hours"] + x["hours"]
+                                                                                + b200["eval_hours"])
+        assert b["cost"] == pytest.approx((n * (g["hours"] + x["hours"]) + b200["eval_hours"]) * 8 * 3.86)
+        one = b["training_on_one_node"]
+        assert one["hours"] == pytest.approx(g["hours"] + t["spread"][0]["hours"] + b200["eval_hours"])
+        assert one["cost"] == pytest.approx((n * g["hours"] + t["spread"][0]["hours"] + b200["eval_hours"]) * 8 * 3.86)
+    # spread over 4 nodes, the run takes about a third of the time for 1% more money
+    assert bills[2]["hours"] < bills[2]["training_on_one_node"]["hours"] / 2.5
+    assert bills[0]["cost"] < bills[2]["cost"] < 1.02 * bills[0]["cost"]
+    lines = "\n".join(plan_lines(plan))
+    print(lines)
+    assert "b200: training on 8 GPUs a node: 2.65 s/step (assumed: 2,250 TFLOPS bf16 x 40%) + all-reduce 0.014 s (x1)" \
+           in lines and "assumed: 900 GB/s within a node, 400 GB/s a node between nodes" in lines
+    assert re.search(r"x4 nodes: generation 4\.0 h \+ training 9\.\d h \(12,500 steps\) \+ eval [\d.]+ min = 1\d\.\d h, "
+                     r"\$1,6\d\d; training on one node: 4\d\.\d h, \$1,6\d\d", lines), lines
+    # the RTX node has 4 GPUs: the same rows take twice the steps on one node, and the config's 8 GPUs do not fit
+    rtx = stages["kinds"]["rtxpro6000"]["training"]
+    assert rtx["spread"][0]["steps"] == 100_000 and "(train.gpus 8 is more than a node has: set 4)" in lines

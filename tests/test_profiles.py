@@ -126,6 +126,10 @@ def test_a_job_claiming_more_gpus_than_the_machine_is_refused(tmp_path):
     assert "train.gpus is 2" not in run.stdout
     run = dry_run(tmp_path, "--profile", str(ROOT / "profiles" / "local"), env={"CUDA_VISIBLE_DEVICES": "0"})
     assert run.returncode == 1 and "train.gpus is 2, but this run offers 1 GPU(s)" in run.stdout + run.stderr
+    cfg["train"].update(gpus=1, nodes=2)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    run = dry_run(tmp_path, "--profile", str(ROOT / "profiles" / "local"), env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert run.returncode == 1 and "train.nodes is 2, but profiles/local runs on this machine alone" in run.stderr
 
 
 def site_file(tmp_path: Path, **changes) -> Path:
@@ -170,6 +174,7 @@ def test_the_rtx_plan_puts_each_gpu_stage_on_the_rtx_partition(tmp_path):
     real = real_workdir(tmp_path)
     cfg = yaml.safe_load(real.read_text())
     cfg["train"]["hidden_states"] = "offline"
+    cfg["train"].update(gpus=4, nodes=2)
     cfg["hidden"]["max_cache_bytes"] = None
     real.write_text(yaml.safe_dump(cfg))
     run = dry_run(tmp_path, "--profile", str(ROOT / "profiles" / "slurm-rtxpro6000"), "--configfile", str(real),
@@ -183,10 +188,13 @@ def test_the_rtx_plan_puts_each_gpu_stage_on_the_rtx_partition(tmp_path):
     for rule, mem, runtime in [("hidden", 100000, 480), ("eval_decode", 100000, 120), ("train", 400000, 4320),
                                ("pilot_hidden", 100000, 480), ("pilot_train", 100000, 480)]:
         for block in blocks[rule]:
-            assert "slurm_partition=rtxpro6000" in block and "gpu_model=rtx_pro_6000" in block, block
+            assert "slurm_partition=rtxpro6000" in block, block
             assert f"mem_mb={mem}," in block and f"runtime={runtime}," in block and "cpus_per_gpu=8" in block, block
-            assert ("gpu=1," in block) != (rule == "train"), block
-    assert "nodes=1" in blocks["train"][0] and "slurm_extra=--exclusive" in blocks["train"][0]
+            assert ("gpu=1," in block and "gpu_model=rtx_pro_6000" in block) != (rule == "train"), block
+    # train.nodes nodes whole, every GPU of each (gres counts per node; the plugin's gpu, the whole job, is off)
+    train = blocks["train"][0]
+    assert "nodes=2" in train and "gres=gpu:rtx_pro_6000:4" in train and "gpu=0" in train, train
+    assert "slurm_extra=--exclusive" in train
 
 
 def test_a_wrong_site_file_stops_before_any_job(tmp_path):

@@ -90,7 +90,7 @@ def test_multi_process_training_tells_rank_0s_progress_and_the_failed_rank(tiny_
     (tmp_path / ".drafter.resume" / "step-00000010.pt").mkdir(parents=True)
     cfg = {**TRAIN_CFG, "steps": 20, "log_every": 5, "save_every": 10}
     run = in_a_job(f"""
-        from dflash.train import train_processes
+        from dflash.launch import train_processes
         train_processes(2, [{str(shards[0])!r}], [{str(shards[1])!r}], {str(tiny_target_dir)!r}, {str(out)!r},
                         {cfg!r})
         """, tmp_path / "train.log")

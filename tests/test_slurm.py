@@ -2,6 +2,7 @@
 single node posing as one 8x B200 and one 4x RTX PRO 6000 node, with tests/slurm-ci on top for
 what the test machine lacks (accounting). Jobs, sbatch lines, GPU allocations, a cancelled job and
 a killed snakemake are all real."""
+import json
 import os
 import re
 import signal
@@ -43,12 +44,12 @@ def command(work: Path, profile: str, *args: str) -> list[str]:
             "--jobs", "3", "--latency-wait", "5", *args, "--configfile", str(work / "config.yaml")]
 
 
-def env() -> dict:
-    return {**os.environ, "DFLASH_SITE": str(SITE)}
+def env(site: Path = SITE) -> dict:
+    return {**os.environ, "DFLASH_SITE": str(site)}
 
 
-def run(work: Path, profile: str, *args: str) -> str:
-    r = subprocess.run(command(work, profile, *args), capture_output=True, text=True, timeout=900, env=env())
+def run(work: Path, profile: str, *args: str, site: Path = SITE) -> str:
+    r = subprocess.run(command(work, profile, *args), capture_output=True, text=True, timeout=900, env=env(site))
     out = r.stdout + r.stderr
     if r.returncode:
         logs = "\n".join(f"== {p}\n{p.read_text()[-2000:]}" for p in (work / "results" / "logs").rglob("*.log"))
@@ -87,7 +88,9 @@ def test_demo_through_the_b200_profile(slurm, tmp_path, demo_sources, target_dir
             assert " -p b200 " in call and "--gpus=b200:1" in call and f"--mem {mem} " in call, call
             assert f" -t {runtime} " in call and "--cpus-per-gpu=12" in call or rule == "generate", call
     train = calls["train"][0]
-    assert "--gpus=b200:1" in train and "--exclusive" in train and "--nodes=1" in train and " -t 2880 " in train
+    # the node whole, every GPU of it (gres: per node); train.gpus of them train
+    assert "--gres=gpu:b200:8" in train and "--gpus" not in train and "--nodes=1" in train, train
+    assert "--exclusive" in train and " -t 2880 " in train, train
     # a preempted job is requeued; a time limit near, train hears of it 10 minutes ahead
     assert " --requeue " in train and "--signal=TERM@600" in train and "--open-mode=append" in train, train
     for rule in ("prompts", "validate", "tokenize"):
@@ -240,3 +243,36 @@ def test_a_preempted_train_job_is_requeued_and_resumes_to_the_same_weights(slurm
           {**drafter_train_cfg(config, target_dir), "fast_kernels": config["target"]["fast_kernels"]})
     a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(checkpoint / "model.safetensors")
     assert all(a[k].equal(b[k]) for k in a)
+
+
+def test_train_over_two_nodes_is_one_sbatch_job_of_two_whole_nodes(slurm, tmp_path, demo_sources, target_dir):
+    """train.nodes: 2 through the B200 profile, on the cluster's two-node partition (a site file
+    naming it for b200): one sbatch job holding both nodes whole; srun starts a torchrun on each
+    (one process, train.gpus: 1); they meet at the first node. The weights are one process's on the
+    global batch, to the DDP test's tolerance."""
+    cfg = small_run_config(tmp_path, demo_sources, target_dir, train_steps=6)
+    cfg["train"].update(nodes=2, log_every=1)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    site = yaml.safe_load(SITE.read_text())
+    site["b200"]["partition"] = "pair"
+    (tmp_path / "site.yaml").write_text(yaml.safe_dump(site))
+    out = run(tmp_path, "slurm-b200", "--verbose", "results/checkpoints/demo", site=tmp_path / "site.yaml")
+    (train_call,) = sbatch_calls(out)["train"]
+    print(train_call)
+    assert " -p pair " in train_call and "--nodes=2" in train_call and "--gres=gpu:b200:8" in train_call, train_call
+    assert "--gpus" not in train_call and "--exclusive" in train_call, train_call
+    log = (tmp_path / "results" / "logs" / "train" / "demo.log").read_text()
+    assert re.search(r"2 nodes \(pair\[1-2\]\), rendezvous [\w.-]+:29500", log), log[-3000:]
+    # one rank on each node (the rendezvous hands out the ranks: rank 0 may be either)
+    ranks = dict(m.group(1, 2) for m in re.finditer(r"rank (\d) of 2 on node (pair\d)", log))
+    assert sorted(ranks) == ["0", "1"] and sorted(ranks.values()) == ["pair1", "pair2"], log[-3000:]
+    checkpoint = tmp_path / "results" / "checkpoints" / "demo"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["processes"] == 2
+
+    config = load_config(tmp_path / "config.yaml")
+    shards = sorted((tmp_path / "results" / "tokenized").glob("shard-*.safetensors"))
+    one = {**drafter_train_cfg(config, target_dir), "fast_kernels": config["target"]["fast_kernels"]}
+    train(shards, [tmp_path / "results" / "hidden" / p.name for p in shards], target_dir, tmp_path / "one",
+          {**one, "batch_size": 2 * one["batch_size"]})
+    a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(checkpoint / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
