@@ -13,8 +13,9 @@ from dflash.config import (ConfigError, check_config, demo_sized_problem, read_c
 from dflash.dialects import DIALECTS
 from dflash.pilot import toggle_problem
 from dflash.hidden_cache import HIDDEN_FORMAT, drafter_target_problems, layer_selection, text_config
-from dflash.prompt_checks import prompt_check_settings
+from dflash.prompt_checks import heldout_settings, prompt_check_settings
 from dflash.resume import record_settings
+from dflash.run_stamp import foreign_run, stamp_run
 from dflash.workflow import demo_target_sources, shard_ids, target_dir
 
 min_version("9.0")
@@ -70,6 +71,16 @@ except ValueError:  # a damaged config.json: the first job that loads the target
 if problems := drafter_target_problems(config["drafter"], TARGET_TEXT):
     stop("\n".join(f"{CONFIG_SOURCE}: at {key}: {problem} ({TARGET}/config.json)" for key, problem in problems))
 TARGET_INPUT = external(TARGET) if config["target"]["path"] else TARGET
+if config["target"]["path"] and not os.path.isdir(TARGET):  # else Snakemake's MissingInputException, a traceback
+    stop(f"{CONFIG_SOURCE}: at target.path: {TARGET}: no such model folder on this machine: download the model "
+         f"there (the jobs read its weights); to plan (snakemake -n, dflash plan), a folder with its config.json and "
+         f"tokenizer files is enough")
+# another config's outputs in this output_dir: a run built on them, or a plan priced from them, would be wrong
+if not STORED and (problem := foreign_run(OUT, config, CONFIG_SOURCE)):
+    stop(f"{CONFIG_SOURCE}: at output_dir: {problem}")
+for exclusions in config["validate"]["exclude"]:
+    if not os.path.isfile(exclusions):
+        stop(f"{CONFIG_SOURCE}: at {exclusion_file_problem(exclusions)}")
 S3 = STORED and workflow.storage_settings.default_storage_provider == "s3"
 STORAGE_PREFIX = workflow.storage_settings.default_storage_prefix if STORED else None
 if S3:
@@ -87,6 +98,7 @@ onstart:
         check_storage(write=True)
     if not STORED:
         settle_backups()
+        stamp_run(OUT, config, CONFIG_SOURCE)
 
 
 onsuccess:

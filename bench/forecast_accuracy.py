@@ -78,7 +78,7 @@ def compare(res: Path, ran: str | None) -> None:
     training = plan["gpu_stages"]["kinds"]["local"]["training"]
     run = next(iter((res / "checkpoints").glob("*/trainer_state.json")))
     job = float((res / "benchmarks" / "train" / f"{run.parent.name}.tsv").read_text().splitlines()[1].split()[0])
-    forecast = training["hours"] * 3600
+    forecast = training["spread"][0]["hours"] * 3600  # on this one machine
     print(f"training: forecast {forecast:,.1f} s ({training['setup_seconds']:.1f} s set-up + {read_json(run)['steps']} "
           f"steps x {training['seconds_per_step']:.3g} s, {training['from']}), measured {job:,.1f} s (the train job; "
           f"{read_json(run)['seconds']:,.1f} s in its loop) -> error {forecast / job - 1:+.1%}")

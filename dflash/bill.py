@@ -101,8 +101,13 @@ def gpu_bill(config: dict, kinds: dict, generation: dict, text: dict, row_tokens
                 node_hours = held + on * (training or 0)
                 whole[way] = {"hours": shared + (training or 0), "node_hours": node_hours,
                               "cost": None if price is None else node_hours * k["gpus_per_node"] * price}
+            # a re-run from validation on (samples dropped, a check changed): all but generation
+            rerun_node_hours = whole["spread"]["node_hours"] - nodes * (parts["generation"] or 0)
+            rerun = {"hours": whole["spread"]["hours"] - (parts["generation"] or 0), "node_hours": rerun_node_hours,
+                     "cost": None if price is None else rerun_node_hours * k["gpus_per_node"] * price}
             bills.append({"nodes": nodes, **{f"{p}_hours": h for p, h in parts.items()}, **whole["spread"],
-                          "complete": None not in parts.values(), "training_on_one_node": whole["one_node"]})
+                          "complete": None not in parts.values(), "training_on_one_node": whole["one_node"],
+                          "rerun_after_validation": rerun})
         stages[kind] = {"training": {**step, "spread": list(spread.values())}, "eval_hours": eval_hours, "bill": bills,
                         "links": {key: profile.get(key) for key in ("interconnect_gb_s", "network_gb_s")},
                         "hidden_from": f"assumed: {rate:,g} TFLOPS bf16 x {profile['utilisation']:.0%}" if rate else None}
@@ -162,6 +167,12 @@ def bill_lines(g: dict) -> list[str]:
             lines.append(f"    x{n} node{'s' * (n > 1)}: {' + '.join(shown)} = {_hours(b['hours'])}{_cost(b)}"
                          + (f"; training on one node: {_hours(one['hours'])}{_cost(one)}" if n > 1 else "")
                          + ("" if b["complete"] else " (so far: ? is a stage with no figure)"))
+        if s["bill"] and s["bill"][0]["generation_hours"]:
+            reruns = [b["rerun_after_validation"] | {"nodes": b["nodes"]} for b in s["bill"]]
+            priced = reruns[0]["cost"] is not None
+            lines.append("    a re-run from validation on (samples dropped, a check changed; no generation): "
+                         + ", ".join(f"x{r['nodes']} {_hours(r['hours'])}" + (f", ${r['cost']:,.0f}" if priced else "")
+                                     for r in reruns) + ("" if priced else " (cost unknown: no gpu_hour_price)"))
     return lines
 
 

@@ -86,7 +86,7 @@ class Tally:
         self.called: Counter = Counter()  # calls naming it, in kept and rejected records
         self.called_kept: Counter = Counter()
         self.not_offered: Counter = Counter()  # calls naming it in a record that does not offer it
-        self.schema = Counter()  # calls: parsed, to_offered (tools the record offers), passed
+        self.schema = Counter()  # calls: parsed, to_offered (tools the record offers), passed; kept_*: in kept records
         self.schema_failures: Counter = Counter()
         self.replay_stops: Counter = Counter()
         self.replay_conversations = self.replay_records = 0
@@ -118,10 +118,13 @@ class Tally:
             self.schema["parsed"] += 1
             if name not in offered:
                 self.not_offered[name] += 1
+                self.schema["kept_not_offered"] += kept
                 continue
             self.schema["to_offered"] += 1
             problems = call_problems(name, call["arguments"], offered)
             self.schema["passed"] += not problems
+            self.schema["kept_to_offered"] += kept
+            self.schema["kept_failed"] += kept and bool(problems)
             self.schema_failures.update({code for code, _ in problems})
         loops = loop_patterns(rec.get("text") or "")
         self.loop_records += bool(loops)
@@ -171,7 +174,9 @@ class Tally:
             "never_offered": sorted(set(self.called) - set(self.offered)),
             "schema": {"calls": self.schema["parsed"], "to_offered_tools": to_offered, "passed": self.schema["passed"],
                        "pass_rate": self.schema["passed"] / to_offered if to_offered else None,
-                       "failures": dict(self.schema_failures.most_common())},
+                       "failures": dict(self.schema_failures.most_common()),
+                       "kept": {"to_offered_tools": self.schema["kept_to_offered"],
+                                "failed": self.schema["kept_failed"], "not_offered": self.schema["kept_not_offered"]}},
             "replay": {"conversations": self.replay_conversations, "records": self.replay_records,
                        "stops": dict(self.replay_stops.most_common())},
             "loops": {"records": self.loop_records, "patterns": {
@@ -184,54 +189,75 @@ class Tally:
         }
 
 
-def verdict(r: dict, gates: dict) -> dict:
-    """``{verdict, failed, caveats, line}``: not usable when a gate fails (the category's reject rate, and
-    for the tool category the share of kept records that call a tool), with caveats when what the
-    gates do not see is off (schema failures, loops, replays that stop early, broken calls kept)."""
-    cat, records, kept = r["category"], r["records"], r["kept"]
+def verdict(r: dict, gates: dict, output_dir: str = "results") -> dict:
+    """``{verdict, failed, caveats, next, target, line}``. The line leads with what training will
+    see, the kept records; then the gate that failed (not usable: the category's reject rate, and for
+    the tool category the share of kept records that call a tool) or the caveats on the kept records
+    the gates do not see (calls failing their schema or naming a tool not offered, tag loops,
+    replays that stop early, broken calls kept); then the next step. ``target``: what the target did
+    on every record, rejected ones included."""
+    cat, records, kept, classes = r["category"], r["records"], r["kept"], r["kept_classes"]
+    folder = lambda stage: posixpath.join(str(output_dir), stage)  # noqa: E731
+    top = next(iter(r["rejected_by_reason"]), None)
     reasons = ", ".join(f"{code} {n}" for code, n in list(r["rejected_by_reason"].items())[:4])
-    rejected = f"{percent(r['reject_rate'])} of {records} {cat} records rejected"
-    calling = f"{r['kept_classes']['calls']} of {kept} kept {cat} records call a tool"
-    fails, caveats, fine = [], [], []
-    if not records:
-        fails.append(f"no {cat} records")
-    elif not kept:
-        fails.append(f"none of {records} {cat} records kept ({reasons})")
-    share = gates.get("min_tool_call_share")
     if cat == TOOL_CATEGORY and kept:
-        if share is not None and r["call_share"] < share:
-            fails.append(f"{calling} ({percent(r['call_share'])}, under gates.min_tool_call_share {percent(share)})")
-        else:
-            fine.append(f"{calling} ({percent(r['call_share'])})")
+        trained = (f"you will train on {kept} {cat} records: {classes['calls']} call a tool "
+                   f"({percent(r['call_share'])}), {classes['prose']} answer in prose, {classes['refusal']} refuse"
+                   + (f", {classes['bad_call']} hold a broken call" if classes["bad_call"] else ""))
+    else:
+        trained = f"you will train on {kept} of {records} {cat} records"
+    fails, caveats = [], []  # (text, next step)
+    if not records:
+        fails.append((f"no {cat} records", f"check that {output_dir} is the run's output folder and that its "
+                                            f"prompts have {cat} ones ({folder('prompts/manifest.json')})"))
+    elif not kept:
+        fails.append((f"none of {records} kept ({reasons})", f"dflash inspect {folder('rejected')} --category {cat}"))
+    share = gates.get("min_tool_call_share")
+    if cat == TOOL_CATEGORY and kept and share is not None and r["call_share"] < share:
+        fails.append((f"{percent(r['call_share'])} call a tool, under gates.min_tool_call_share {percent(share)}",
+                      f"dflash inspect {folder('validated')} --category {cat}: what the kept records do instead"))
     limit = gates.get("max_category_reject_rate")
-    if records and kept:
-        if limit is not None and r["reject_rate"] > limit:
-            fails.append(f"{rejected}, over gates.max_category_reject_rate {percent(limit)} ({reasons})")
-        else:
-            fine.append(rejected)
-    schema = r["schema"]
-    if schema["pass_rate"] is not None and schema["pass_rate"] < SCHEMA_PASS_CAVEAT:
-        caveats.append(f"{schema['passed']} of {schema['to_offered_tools']} calls to offered tools pass their "
-                       f"schema ({percent(schema['pass_rate'])})")
-    not_offered = sum(t["called_not_offered"] for t in r["tools"].values())
-    if not_offered:
-        caveats.append(f"{not_offered} calls name a tool their record does not offer")
+    if records and kept and limit is not None and r["reject_rate"] > limit:
+        fails.append((f"{percent(r['reject_rate'])} of {records} rejected, over gates.max_category_reject_rate "
+                      f"{percent(limit)} ({reasons})", f"dflash inspect {folder('rejected')} --category {cat} "
+                                                       f"--reason {top}"))
+    in_kept = r["schema"]["kept"]
+    if in_kept["to_offered_tools"] and in_kept["failed"] > (1 - SCHEMA_PASS_CAVEAT) * in_kept["to_offered_tools"]:
+        caveats.append((f"{in_kept['failed']} of their {in_kept['to_offered_tools']} calls to offered tools fail the "
+                        f"tool's schema (its check set to flag)", f"dflash inspect {folder('validated')} --category "
+                                                                   f"{cat} --flag tool_args_schema"))
+    if in_kept["not_offered"]:
+        caveats.append((f"{in_kept['not_offered']} of their calls name a tool the record does not offer",
+                        f"dflash inspect {folder('validated')} --category {cat} --flag tool_unknown_name"))
     loops = r["loops"]
     kept_loops = sum(p["kept"] for p in loops["patterns"].values())
-    if loops["records"] and (kept_loops or loops["records"] > LOOP_CAVEAT_SHARE * records):
-        top = next(iter(loops["patterns"]))
-        caveats.append(f"tag loops in {loops['records']} records ({kept_loops} kept), most often {top!r}")
+    if kept_loops:
+        unit = next(u for u, p in loops["patterns"].items() if p["kept"])
+        caveats.append((f"tag loops in {kept_loops} of them, most often {unit!r}",
+                        f"dflash inspect {folder('validated')} --category {cat} --flag repetition_loop"))
     replay = r["replay"]
     completed = replay["stops"].get("completed", 0)
     if replay["conversations"] and completed < REPLAY_COMPLETED_CAVEAT * replay["conversations"]:
-        caveats.append(f"{completed} of {replay['conversations']} replayed conversations completed")
-    if r["kept_classes"]["bad_call"]:
-        caveats.append(f"{r['kept_classes']['bad_call']} kept records hold a broken call")
+        caveats.append((f"{completed} of {replay['conversations']} replayed conversations reach their end (few "
+                        f"multi-step examples)", "see how they ended (replayed conversations, below): a replay stops "
+                                                 "at the first turn the target answers otherwise"))
+    if classes["bad_call"] and not caveats:  # the broken calls' kind, when a caveat above did not name it
+        caveats.append((f"{classes['bad_call']} of them hold a broken call",
+                        "set the call checks to reject (validate.checks), or drop the ids (validate.exclude)"))
     word = "not usable" if fails else "usable with caveats" if caveats else "usable"
-    line = f"{word}: {'; '.join(fails or caveats + fine)}"
-    if fails and caveats:
-        line += f" (also: {'; '.join(caveats)})"
-    return {"verdict": word, "failed": fails, "caveats": caveats, "line": line}
+    named = fails + caveats
+    line = (f"{word}: {trained}" + "".join(f"; {text}" for text, _ in named)
+            + (f"; next: {named[0][1]}" if named else ""))
+    schema = r["schema"]
+    not_offered = sum(t["called_not_offered"] for t in r["tools"].values())
+    target = (f"the target, on all {records} {cat} records: {percent(r['reject_rate'])} rejected"
+              + (f" ({reasons})" if reasons else "")
+              + (f"; {schema['passed']} of {schema['to_offered_tools']} calls to offered tools pass their schema "
+                 f"({percent(schema['pass_rate'])})" if schema["pass_rate"] is not None else "")
+              + (f"; {not_offered} calls name a tool not offered" if not_offered else "")
+              + (f"; tag loops in {loops['records']} records" if loops["records"] else ""))
+    return {"verdict": word, "failed": [t for t, _ in fails], "caveats": [t for t, _ in caveats],
+            "next": named[0][1] if named else None, "target": target, "line": line}
 
 
 def _is_s3(path: str) -> bool:
@@ -310,7 +336,8 @@ def check_tools(output_dir: str, gates: dict, category: str = TOOL_CATEGORY, exa
                          f"validated + {result['rejected']} rejected: the validated shards are not of these "
                          f"completions; run snakemake to validate them again, then check again")
     thresholds = {k: gates.get(k) for k in ("max_category_reject_rate", "min_tool_call_share")}
-    return {**verdict(result, thresholds), "output_dir": str(output_dir), "shards": len(shards["completions"]),
+    return {**verdict(result, thresholds, str(output_dir).rstrip("/")), "output_dir": str(output_dir),
+            "shards": len(shards["completions"]),
             "thresholds": thresholds, **result}
 
 
@@ -318,7 +345,7 @@ def render(r: dict) -> str:
     """The report for a terminal: the verdict line, then the counts, then the examples."""
     cat, kept = r["category"], r["kept"]
     thresholds = ", ".join(f"{k} {'off' if v is None else percent(v)}" for k, v in r["thresholds"].items())
-    out = [r["line"], "",
+    out = [r["line"], r["target"], "",
            f"{r['output_dir']}: category {cat}, {r['shards']} shards (gates: {thresholds})",
            f"records     {r['records']} generated, {kept} kept, {r['rejected']} rejected ({percent(r['reject_rate'])})"]
     if r["rejected_by_reason"]:
@@ -333,13 +360,15 @@ def render(r: dict) -> str:
             out.append(f"  {CLASS_TEXT[cls]:<24}{n:>6}  {percent(n / kept) if kept else '-':>6}{closing}")
     if r["tools"]:
         width = max(24, *(len(n) + 2 for n in r["tools"]))
-        out.append(f"{'tools':<{width}}{'offered':>8}{'called':>8}{'in kept':>8}{'not offered':>13}")
+        columns = ("offered", "called", "kept calls", "unoffered calls")
+        out.append(f"{'tool':<{width}}" + "".join(f"{c:>{len(c) + 2}}" for c in columns))
         for name, t in r["tools"].items():
             never = "  (never offered)" if name in r["never_offered"] else ""
-            out.append(f"  {name:<{width - 2}}{t['offered']:>8}{t['called']:>8}{t['called_in_kept']:>8}"
-                       f"{t['called_not_offered']:>13}{never}")
-        out.append("  (offered: records offering it; called: parsed calls in kept and rejected records; "
-                   "not offered: calls in a record that does not offer it)")
+            values = (t["offered"], t["called"], t["called_in_kept"], t["called_not_offered"])
+            out.append(f"  {name:<{width - 2}}" + "".join(f"{v:>{len(c) + 2}}" for c, v in zip(columns, values))
+                       + never)
+        out.append("  (offered: records offering it; called: its calls in kept and rejected records; kept calls: in "
+                   "the records you will train on; unoffered calls: in a record that does not offer it)")
     s = r["schema"]
     if s["calls"]:
         failures = ", ".join(f"{c} {n}" for c, n in s["failures"].items())

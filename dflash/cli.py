@@ -15,12 +15,13 @@ from pathlib import Path
 from dflash.config import ConfigError, defaults, load_config
 from dflash.dialects import LOGGING_SERVERS
 from dflash.errors import debug_requested, describe
+from dflash.io import read_json
 from dflash.vocabulary import CATEGORIES, TOOL_CATEGORY, terminal_safe
 from dflash.workflow import demo_target_sources, exit_on_sigterm, set_threads, setup_logging
 
 
 def _prompts(cfg, a):
-    from dflash.prompt_checks import prompt_check_settings, prompt_checks
+    from dflash.prompt_checks import heldout_settings, prompt_check_settings, prompt_checks
     from dflash.prompts import build_prompts
     from dflash.workflow import target_dir
 
@@ -32,7 +33,7 @@ def _prompts(cfg, a):
                                 f"{fix}")
     build_prompts(cfg["prompts"]["sources"], a.out, cfg["prompts"]["shard_size"],
                   prompt_checks(target, prompt_check_settings(cfg)), cfg["prompts"]["max_line_bytes"],
-                  cfg["prompts"]["max_dropped_share"])
+                  cfg["prompts"]["max_dropped_share"], heldout_settings(cfg))
 
 
 def _target(cfg, a):
@@ -98,7 +99,7 @@ def _report(cfg, a):
 
 
 def _inspect(a) -> int:
-    from dflash.inspect import check_filters, inspect
+    from dflash.inspect import check_filters, inspect, shards_of
 
     check_filters(category=a.category, reason=a.reason, flag=a.flag)
     tokenizer = None
@@ -108,7 +109,7 @@ def _inspect(a) -> int:
         tokenizer = AutoTokenizer.from_pretrained(a.target)
     shown = matched = 0
     ids_seen: set[str] = set()
-    for path in a.shards:
+    for path in [shard for given in a.shards for shard in shards_of(given)]:
         # past the limit a shard is still read, to count what matches
         more, found = inspect(path, a.category, a.reason, a.flag, a.id, a.limit - shown if a.limit else None,
                               a.json, a.full, tokenizer, ids_seen=ids_seen)
@@ -149,10 +150,24 @@ def _check_tools(a) -> int:
     return 3 if result["verdict"] == "not usable" else 0
 
 
+def _check_run(a) -> int:
+    from dflash.headline import headline_lines
+    from dflash.storage import local_copy
+
+    summary, page = (f"{str(a.output_dir).rstrip('/')}/report/{name}" for name in ("summary.json", "summary.html"))
+    try:
+        with local_copy(summary) as local:
+            found = read_json(local)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{summary}: no report yet: the run has not finished (snakemake writes it last), or "
+                                f"{a.output_dir} is not a run's output_dir") from None
+    print(terminal_safe("\n".join(headline_lines(found, page))))
+    return 0
+
+
 def _cache_size(cfg, a):
     from dflash.hidden_cache import cache_plan
     from dflash.units import human_bytes
-    from dflash.io import read_json
     from dflash.workflow import target_dir
 
     if a.tokens is None and not a.tokenized:
@@ -171,21 +186,30 @@ def _cache_size(cfg, a):
 
 
 def _plan(cfg, a):
-    from dflash.io import read_json, write_json
+    from dflash.io import write_json
     from dflash.plan import forecast, plan_lines, prompt_counts
+    from dflash.run_stamp import foreign_run
     from dflash.workflow import target_dir
 
+    if a.mean_output_tokens is not None:
+        if a.output_tokens is not None:
+            raise ValueError("give --output-tokens (the total) or --mean-output-tokens (per prompt), not both")
+        cfg["plan"]["mean_output_tokens"] = float(a.mean_output_tokens)
+    out = Path(cfg["output_dir"])
+    # another run's prompts manifest and pilot (the demo's, in the same results/) would price this one
+    foreign = foreign_run(out, cfg, str(a.config))
     if a.prompts is not None:
         counts = {"prompts": int(a.prompts), "categories": {"given": int(a.prompts)},
                   "shards": -(-int(a.prompts) // cfg["prompts"]["shard_size"]), "from": "--prompts",
                   "heldout": None if a.heldout is None else int(a.heldout)}
     else:
-        counts = prompt_counts(cfg)
-    out = Path(cfg["output_dir"])
-    pilot = a.pilot or out / "pilot" / "summary.json"
-    measured = read_json(pilot) if pilot.exists() else None
-    plan = forecast(cfg, counts, measured if a.output_tokens is None else None, a.output_tokens,
+        counts = prompt_counts(cfg, outputs=not foreign)
+    pilot = a.pilot or (None if foreign else out / "pilot" / "summary.json")
+    measured = read_json(pilot) if pilot and pilot.exists() else None
+    given = a.output_tokens is not None or a.mean_output_tokens is not None  # the user's figure beats the pilot's
+    plan = forecast(cfg, counts, None if given else measured, a.output_tokens,
                     a.target or target_dir(cfg), (measured or {}).get("train_burst"))
+    plan["foreign_outputs"] = foreign
     print("\n".join(plan_lines(plan)))
     if a.json:
         write_json(a.json, plan)
@@ -202,10 +226,9 @@ def _safe_to_destroy(cfg, a):
 
 
 def _serve_command(cfg, a):
-    from dflash.serving import serve_commands
-    from dflash.workflow import target_dir
+    from dflash.serving import run_serve_commands
 
-    commands = serve_commands(a.checkpoint, str(a.target or target_dir(cfg)), cfg["generate"]["enable_thinking"])
+    commands = run_serve_commands(cfg, a.checkpoint, a.target and str(a.target))
     print(f"# vLLM\n{commands['vllm']}")
     if commands["vllm_cpu"]:
         print(f"# vLLM's CPU build\n{commands['vllm_cpu']}")
@@ -329,6 +352,8 @@ def add_stages(sub, common: argparse.ArgumentParser) -> None:
     stage("plan", _plan, "forecast output tokens, hours, cost, sizes and jobs per node kind (before renting)",
           ("--prompts", {"type": amount, "help": "training prompts (default: the manifest, else the sources counted)"}),
           ("--output-tokens", {"type": amount, "help": "total output tokens, e.g. 1.64e9 (default: from the pilot)"}),
+          ("--mean-output-tokens", {"type": amount, "help": "output tokens per prompt, instead of a total (as "
+                                                            "plan.mean_output_tokens: the prompts x this)"}),
           ("--heldout", {"type": amount, "help": "held-out prompts the eval decodes, with --prompts (default: unknown)"}),
           ("--pilot", {"type": Path, "help": "the pilot's summary (default: <output_dir>/pilot/summary.json if there)"}),
           ("--target", {"type": Path, "help": "target model folder, to size the hidden-state cache (default: the config's)"}),
@@ -349,7 +374,8 @@ def add_inspect(sub, common: argparse.ArgumentParser) -> None:
                     "shards, local or s3:// (boto3; AWS_ENDPOINT_URL for other S3 servers), or an eval report's "
                     "figures per category. Filters combine.")
     inspect.add_argument("shards", nargs="+",
-                         help="shard files (.jsonl.zst, .jsonl, .safetensors) or an eval report (eval/<run>.json)")
+                         help="shard files (.jsonl.zst, .jsonl, .safetensors), a stage's output folder (its shards) or "
+                              "an eval report (eval/<run>.json)")
     for flag, what in [("--category", "category"), ("--reason", "rejection reason code"), ("--flag", "QA flag code"),
                        ("--id", "record or prompt id")]:
         inspect.add_argument(flag, action="append", default=[], help=f"only this {what} (repeatable)")
@@ -395,6 +421,12 @@ def add_check(sub, common: argparse.ArgumentParser) -> None:
     tools.add_argument("--examples", type=count(0), default=3, help="examples per class (default 3; 0: none)")
     tools.add_argument("--json", action="store_true", help="everything as one JSON object")
     tools.set_defaults(run=_check_tools)
+    run = checks.add_parser(
+        "run", parents=[common], help="a finished run's headline, as its console showed it",
+        description="The headline a run printed when it wrote its report (records kept, trainable tokens, "
+                    "acceptance, gates, generation's time and cost), read from report/summary.json.")
+    run.add_argument("output_dir", help="the run's output_dir: results, or s3://bucket/prefix/results")
+    run.set_defaults(run=_check_run)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,6 +64,20 @@ def not_jsonl(path: str, local: Path) -> str | None:
     return f"{path}: a JSON document, not JSONL records: inspect reads shards (.jsonl.zst, .jsonl, .safetensors){hint}"
 
 
+SHARD_SUFFIXES = (".jsonl.zst", ".jsonl", ".safetensors")
+
+
+def shards_of(path: str) -> list[str]:
+    """``path`` itself, or the shards a local folder holds (a stage's output folder), sorted."""
+    if not Path(path).is_dir():
+        return [path]
+    shards = sorted(str(f) for f in Path(path).iterdir() if f.name.endswith(SHARD_SUFFIXES) and f.is_file())
+    if not shards:
+        raise ValueError(f"{path}: a folder with no shards ({', '.join(SHARD_SUFFIXES)}) in it: give a stage's "
+                         f"output folder (results/validated) or its shards")
+    return shards
+
+
 def read_entries(path: str) -> Iterator[Entry]:
     """(head, whole record) of every record of a shard; a tensor shard's rows with their index
     entries. A zstd shard is checked to its end first: a cut one prints nothing."""

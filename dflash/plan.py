@@ -19,12 +19,13 @@ Z95 = 1.96  # the ranges: 95% intervals of the pilot's sampling error
 STORY_BYTES_PER_OUTPUT_TOKEN = 7.25e9 / 1.64e9
 
 
-def prompt_counts(config: dict, manifest: Path | None = None) -> dict:
+def prompt_counts(config: dict, manifest: Path | None = None, outputs: bool = True) -> dict:
     """Training prompts per category and the shards they make: from the prompts manifest when the
-    prompts stage has run, else by reading the sources (before the checkpoint; duplicates and
-    prompts the target cannot take are still in, so it errs high)."""
+    prompts stage has run (and ``outputs``: the output folder is this run's), else by reading the
+    sources (before the checkpoint; duplicates and prompts the target cannot take are still in, so
+    it errs high)."""
     manifest = Path(manifest or Path(config["output_dir"]) / "prompts" / "manifest.json")
-    if manifest.exists():
+    if manifest.exists() and outputs:
         m = read_json(manifest)
         return {"prompts": m["prompts"], "categories": m["categories"], "shards": len(m["shards"]),
                 "heldout": m.get("heldout"), "from": str(manifest)}
@@ -38,9 +39,15 @@ def prompt_counts(config: dict, manifest: Path | None = None) -> dict:
                 heldout += 1
             else:
                 categories[r["category"]] += 1
+    counted = "the sources, counted"
+    if not heldout and (share := config["prompts"]["heldout_share"]):  # as the prompts stage will draw them
+        cap = config["prompts"]["heldout_max_per_category"]
+        drawn = {c: min(cap, math.ceil(share * n)) if n > 1 else 0 for c, n in categories.items()}
+        categories = Counter({c: n - drawn[c] for c, n in categories.items()})
+        heldout, counted = sum(drawn.values()), f"{counted}; held out: prompts.heldout_share {share:g}"
     prompts = sum(categories.values())
     return {"prompts": prompts, "categories": dict(categories), "heldout": heldout,
-            "shards": math.ceil(prompts / config["prompts"]["shard_size"]), "from": "the sources, counted"}
+            "shards": math.ceil(prompts / config["prompts"]["shard_size"]), "from": counted}
 
 
 def _tokens_from_pilot(categories: dict, pilot: dict) -> tuple[float, float]:
@@ -152,6 +159,7 @@ def forecast(config: dict, counts: dict, pilot: dict | None = None, output_token
                          f"for the training, hidden-state and eval forecasts"}
 
     return {"prompts": prompts, "categories": counts["categories"], "counted_from": counts["from"],
+            "heldout": counts.get("heldout"), "max_tokens": config["generate"]["sampling"]["max_tokens"],
             "output_tokens": tokens, "output_tokens_range": [low, high], "output_tokens_from": tokens_from,
             "loop_abort": loop_abort,
             "generation": generation, "sizes": sizes, "gpu_stages": gpus, "jobs": _jobs(config, counts["shards"])}
@@ -178,6 +186,17 @@ def plan_lines(plan: dict) -> list[str]:
     span = f" ({human_count(low)} to {human_count(high)})" if high > low else ""
     lines = [f"plan: {plan['prompts']:,} prompts (from {plan['counted_from']}), {human_count(plan['output_tokens'])} "
              f"output tokens{span} (from {plan['output_tokens_from']})"]
+    if foreign := plan.get("foreign_outputs"):
+        lines.append(f"  warning: not read: {foreign}")
+    per_prompt = plan["output_tokens"] / max(1, plan["prompts"])
+    if per_prompt > plan["max_tokens"]:
+        lines.append(f"  warning: {per_prompt:,.0f} output tokens per prompt, over generate.sampling.max_tokens "
+                     f"{plan['max_tokens']:,}: one completion cannot be that long, so the total is too high unless "
+                     f"the prompts are replayed conversations (a completion per turn); check --output-tokens "
+                     f"(the total) or give --mean-output-tokens")
+    if plan.get("heldout") == 0:
+        lines.append("  warning: no held-out prompts: the eval will have nothing to measure, and the bill has no eval; "
+                     "set prompts.heldout_share or mark a source split: heldout (or give --heldout)")
     if a := plan.get("loop_abort"):
         lines.append(f"  loop aborts: the pilot cut {a['records']:,} looping generation{'s' * (a['records'] != 1)}, "
                      f"{a['tokens_saved']:,} tokens not generated; the forecast counts them as cut (without "

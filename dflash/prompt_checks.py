@@ -91,6 +91,12 @@ class PromptChecks:
         return kept
 
 
+def heldout_settings(config: dict) -> dict:
+    """The prompts rule's params that draw a held-out set (``dflash.prompts.build_prompts``)."""
+    return {"share": config["prompts"]["heldout_share"],
+            "max_per_category": config["prompts"]["heldout_max_per_category"]}
+
+
 def prompt_check_settings(config: dict) -> dict:
     """What decides which prompts the prompts stage drops or flags (its rule's params)."""
     generate = config["generate"]

@@ -25,6 +25,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import re
 from array import array
 from collections import Counter, defaultdict
@@ -394,11 +395,16 @@ def _prompt_records(raw: dict, source: dict, fmt: str, name: str, index: int, wh
     # A benchmark's own fields mean other things (MT-Bench's category "writing", a split "test"):
     # a fields source takes both from its configuration.
     own = raw if fmt != "fields" else {}
-    category = _enum_value(own, source, "category", CATEGORIES, "other")
+    given = _enum_value(own, source, "category", CATEGORIES, None)
     split = _enum_value(own, source, "split", SPLITS, "train")
     records = []
     for choice, (messages, tools, extra) in enumerate(entries):
         tools = tools or None
+        # no category given: a prompt that offers tools is a tool prompt (the tool gates and
+        # `dflash check tools` look at those), any other is other; the record says it was inferred
+        category = given or ("tool" if tools else "other")
+        if not given:
+            extra = {**extra, "category_inferred": True}
         # An imported generation is its own record: several answers to one prompt all count.
         keyed = messages + [{"replay": step} for step in extra.get("replay", [])]
         if "imported" in extra:
@@ -427,7 +433,7 @@ def _enum_value(raw: dict, source: dict, key: str, allowed: tuple[str, ...], def
             raise Quirk(f"unknown_{key}", f"unknown {key} {raw[key]!r} ({expected})")
         return raw[key]
     value = source.get(key, default)
-    if value not in allowed:
+    if value is not None and value not in allowed:
         raise ValueError(f"prompt source {source['name']!r}: unknown {key} {value!r} ({expected})")
     return value
 
@@ -454,7 +460,7 @@ class _Kept:
     def __init__(self, write):
         self.write, self.bytes = write, 0
         self.ids, self.categories, self.heldout = array("Q"), bytearray(), bytearray()
-        self.train_categories, self.heldout_categories = Counter(), Counter()
+        self.inferred = Counter()  # categories inferred (none given), by category
 
     def add(self, rec: dict) -> None:
         line = dumps_line(rec)
@@ -462,9 +468,22 @@ class _Kept:
         self.bytes += len(line)
         self.ids.append(int(rec["id"], 16))  # stable_id: 16 hex digits, whose numbers sort as the strings do
         self.categories.append(CATEGORY_CODE[rec["category"]])
-        heldout = rec["meta"]["split"] == "heldout"
-        self.heldout.append(heldout)
-        (self.heldout_categories if heldout else self.train_categories)[rec["category"]] += 1
+        self.heldout.append(rec["meta"]["split"] == "heldout")
+        if rec["meta"].get("category_inferred"):
+            self.inferred[rec["category"]] += 1
+
+
+def draw_heldout(ids: np.ndarray, categories: np.ndarray, share: float, max_per_category: int) -> np.ndarray:
+    """Positions of the prompts to hold out: of each category's ``n`` (two at least), its
+    ``ceil(share x n)`` smallest ids, at most ``max_per_category``. The ids are content hashes, so
+    the draw is a random one that no reading order moves."""
+    drawn = [np.empty(0, dtype=np.int64)]
+    for category in np.unique(categories):
+        members = np.flatnonzero(categories == category)
+        if len(members) > 1:
+            take = min(max_per_category, math.ceil(share * len(members)))
+            drawn.append(members[np.argsort(ids[members], kind="stable")[:take]])
+    return np.sort(np.concatenate(drawn))
 
 
 def _read_sources(sources: list[dict], checks: PromptChecks | None, kept: _Kept,
@@ -563,11 +582,14 @@ def _spilled_in_order(spill: Path, order: np.ndarray, spilled_bytes: int) -> Ite
 
 
 def build_prompts(sources: list[dict], out_dir: str | Path, shard_size: int, checks: PromptChecks | None = None,
-                  max_line_bytes: int | None = None, max_dropped_share: float | None = None) -> dict:
+                  max_line_bytes: int | None = None, max_dropped_share: float | None = None,
+                  heldout: dict | None = None) -> dict:
     """Read, dedup, screen (with ``checks``) and shard all sources into ``out_dir``; returns the
     manifest, which counts per source the records read, kept, dropped and flagged. A source that
     loses more than ``max_dropped_share`` of its records (duplicates aside) stops the stage
-    before anything is written (``dropped_share_problem``).
+    before anything is written (``dropped_share_problem``). When no record or source marks a split
+    of ``heldout``, ``heldout`` (``share``, ``max_per_category``: ``prompts.heldout_*``) draws the
+    held-out set from each category (``draw_heldout``).
 
     The records are streamed: each kept record is written to a spill file as soon as it is
     screened, and memory holds only a content hash per record read (the dedup) and the id,
@@ -582,8 +604,11 @@ def build_prompts(sources: list[dict], out_dir: str | Path, shard_size: int, che
             raise ValueError(problem)
         dropped = sum((c["dropped"] for c in tally.values()), Counter())
         ids, categories = np.frombuffer(kept.ids, dtype=np.uint64), np.frombuffer(kept.categories, dtype=np.uint8)
-        heldout = np.frombuffer(kept.heldout, dtype=np.uint8).astype(bool)
-        train, held = np.flatnonzero(~heldout), np.flatnonzero(heldout)
+        held_out = np.frombuffer(kept.heldout, dtype=np.uint8).astype(bool)
+        drawn = None
+        if not held_out.any() and heldout and heldout["share"]:
+            held_out[(drawn := draw_heldout(ids, categories, heldout["share"], heldout["max_per_category"]))] = True
+        train, held = np.flatnonzero(~held_out), np.flatnonzero(held_out)
         if not len(train):
             raise ValueError("no training prompts in the configured sources"
                              + (f" (dropped: {', '.join(f'{k} {n}' for k, n in dropped.items())})" if dropped else ""))
@@ -597,7 +622,7 @@ def build_prompts(sources: list[dict], out_dir: str | Path, shard_size: int, che
                     write(next(lines))
         with jsonl_zst_writer(tmp / "heldout.jsonl.zst") as write:
             for line in lines:
-                write(line)
+                write(line if drawn is None else _held_out_line(line))
         # Which shard holds an id, known without reading the shards: exclusion lists map to jobs.
         with open(tmp / "ids.tsv", "w", encoding="utf-8") as f:
             for i, shard in enumerate(shards):
@@ -610,14 +635,45 @@ def build_prompts(sources: list[dict], out_dir: str | Path, shard_size: int, che
             ],
             "prompts": len(train),
             "heldout": len(held),
-            "categories": dict(kept.train_categories),
-            "heldout_categories": dict(kept.heldout_categories),
+            "categories": _counts(categories[np.sort(train)]),
+            "heldout_categories": _counts(categories[np.sort(held)]),
+            # where the held-out set comes from: the sources' splits, or drawn (prompts.heldout_share)
+            "heldout_from": "the sources' splits" if drawn is None else {**heldout, "drawn": len(drawn)},
+            "categories_inferred": dict(kept.inferred),
             "dropped": dict(dropped),
             "sources": {name: {"records": c["records"], "kept": c["records"] - sum(c["dropped"].values()),
                                "dropped": dict(c["dropped"]), "flagged": dict(c["flagged"])}
                         for name, c in tally.items()},
         }
+        manifest["warnings"] = _warnings(manifest)
         write_json(tmp / "manifest.json", manifest)
     log.info("prompts: %d training prompts in %d shards, %d held out, dropped %s",
              len(train), len(shards), len(held), manifest["dropped"] or "none")
+    for warning in manifest["warnings"]:
+        notice(log, f"prompts: {warning}")
     return manifest
+
+
+def _counts(codes: np.ndarray) -> dict[str, int]:
+    """Prompts per category, in the order the categories were first read."""
+    return dict(Counter(SORTED_CATEGORIES[c] for c in codes.tolist()))
+
+
+def _held_out_line(line: bytes) -> bytes:
+    rec = json.loads(line)
+    rec["meta"]["split"] = "heldout"
+    return dumps_line(rec)
+
+
+def _warnings(manifest: dict) -> list[str]:
+    """What the run will miss, said when the prompts are made rather than after generation."""
+    warnings = []
+    if not manifest["heldout"]:
+        warnings.append("no held-out prompts (no source marks a split of heldout, and prompts.heldout_share is 0): "
+                        "the eval will have nothing to measure; set prompts.heldout_share or mark a source "
+                        "split: heldout")
+    if set(manifest["categories"]) == {"other"}:
+        warnings.append("every training prompt is in category other (no record or source gives one, and none "
+                        "offers tools): acceptance is reported for other alone; give the sources a category "
+                        "(prompts.sources[].category)")
+    return warnings

@@ -87,10 +87,9 @@ def _curves(config: dict) -> dict:
 
 def _serving(config: dict, checkpoint: Path) -> dict:
     """How to serve the trained drafter, for the page (dflash serve-command prints the same)."""
-    from dflash.serving import serve_commands
-    from dflash.workflow import target_dir
+    from dflash.serving import run_serve_commands
 
-    return serve_commands(checkpoint, target_dir(config), config["generate"]["enable_thinking"])
+    return run_serve_commands(config, checkpoint)
 
 
 def _generation(config: dict, summaries: list[dict]) -> dict:

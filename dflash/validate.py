@@ -124,12 +124,20 @@ GENERATION_SUFFIX = re.compile(r"-g\d+$")
 UNSTATED = "listed in validate.exclude"
 
 
+def exclusion_file_problem(path: str | Path) -> str:
+    kind = "a folder, not a file of ids" if Path(path).is_dir() else "no such file"
+    return (f"validate.exclude: {path}: {kind} (paths are relative to the folder snakemake runs in): fix the path, "
+            f"or take it out of the list")
+
+
 def read_exclusions(paths: list[str | Path]) -> dict[str, str]:
     """Sample ids to drop, with the reason for each: a ``.jsonl`` file holds ``{"id", "reason"}``
     objects; any other file one id per line (``#`` starts a comment). A prompt id drops every
     generation of that prompt; a record id (``<prompt id>-gN``) only that generation."""
     excluded: dict[str, str] = {}
     for path in map(Path, paths):
+        if not path.is_file():
+            raise FileNotFoundError(exclusion_file_problem(path))
         # utf-8-sig: a list saved by a Windows editor starts with a BOM, which would hide its first id
         for lineno, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
             where = f"{path}:{lineno}"

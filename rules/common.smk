@@ -9,7 +9,7 @@ from pathlib import Path
 from dflash.config import ConfigError
 from dflash.errors import debug_requested
 from dflash.storage import check_s3_prefix, fetch_from_storage, stored_root
-from dflash.validate import exclusions_by_shard, read_exclusions
+from dflash.validate import exclusion_file_problem, exclusions_by_shard, read_exclusions
 
 
 def stop(problem):

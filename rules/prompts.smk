@@ -12,6 +12,7 @@ checkpoint prompts:
         shard_size=config["prompts"]["shard_size"],
         max_line_bytes=config["prompts"]["max_line_bytes"],
         max_dropped_share=config["prompts"]["max_dropped_share"],
+        heldout=heldout_settings(config),
         checks=prompt_check_settings(config),
     log:
         f"{LOGS}/prompts.log",

@@ -120,7 +120,8 @@ def test_an_s3_run_reads_the_same(run, s3, capsys):
     local = json.loads(check(capsys, run, "--json")[1])
     rc, out, _ = check(capsys, "s3://drafter/run/results", "--json")
     assert rc == (3 if local["verdict"] == "not usable" else 0)  # stderr: the moto server's log
-    assert {**json.loads(out), "output_dir": str(run)} == local
+    # the same, but for where the next step looks
+    assert json.loads(out.replace("s3://drafter/run/results", str(run))) == local
 
 
 def test_gates_come_from_the_config(run, tmp_path, capsys):
@@ -139,10 +140,10 @@ REFUSAL = {**answer("I can't look up live weather for that date, and none of the
 LOOP = {**STORY_LOOP, "category": "tool", "tools": CALL["tools"], "id": "loop"}
 
 
-def tally(tmp_path, recs, gates=GATES) -> dict:
+def tally(tmp_path, recs, gates=GATES, cfg=CFG) -> dict:
     write_jsonl_zst(tmp_path / "c.jsonl.zst", recs)
     validate_shard(tmp_path / "c.jsonl.zst", tmp_path / "v.jsonl.zst", tmp_path / "r.jsonl.zst", tmp_path / "qa.json",
-                   CFG)
+                   cfg)
     t = Tally("tool", 3)
     for rec in recs:
         if rec["category"] == "tool":
@@ -158,24 +159,27 @@ def tally(tmp_path, recs, gates=GATES) -> dict:
 def test_verdict_usable_with_caveats_and_not_usable(tmp_path):
     r = tally(tmp_path, [CALL, PROSE, REFUSAL, GOOD])
     assert r["kept_classes"] == {"calls": 1, "prose": 1, "refusal": 1, "bad_call": 0}
-    assert r["line"] == ("usable: 1 of 3 kept tool records call a tool (33.3%); "
-                         "0.0% of 3 tool records rejected")
-    assert r["schema"] == {"calls": 1, "to_offered_tools": 1, "passed": 1, "pass_rate": 1.0, "failures": {}}
+    assert r["line"] == "usable: you will train on 3 tool records: 1 call a tool (33.3%), 1 answer in prose, 1 refuse"
+    assert r["target"] == ("the target, on all 3 tool records: 0.0% rejected; 1 of 1 calls to offered tools pass "
+                           "their schema (100.0%)") and r["next"] is None
+    assert r["schema"] == {"calls": 1, "to_offered_tools": 1, "passed": 1, "pass_rate": 1.0, "failures": {},
+                           "kept": {"to_offered_tools": 1, "failed": 0, "not_offered": 0}}
     assert r["tools"]["get_weather"] == {"offered": 3, "called": 1, "called_in_kept": 1, "called_not_offered": 0}
+    # a loop in a rejected record is the target's business, not a caveat on what you train on
     r = tally(tmp_path, [CALL, PROSE, REFUSAL, LOOP])
-    assert r["verdict"] == "usable with caveats"
-    assert r["line"].startswith("usable with caveats: tag loops in 1 records (0 kept), most often "
-                                "'<tool_call> </think>'; ")
+    assert r["verdict"] == "usable" and r["target"].endswith("; tag loops in 1 records")
     assert r["loops"]["patterns"] == {"<tool_call> </think>": {"records": 1, "kept": 0, "longest": 400}}
     assert r["examples"]["loop <tool_call> </think>"][0]["excerpt"].startswith("<tool_call>↵</think>↵<tool_call>")
     r = tally(tmp_path, [CALL, PROSE, REFUSAL, LOOP], {**GATES, "min_tool_call_share": 0.5})
-    assert r["line"].startswith("not usable: 1 of 3 kept tool records call a tool (33.3%, under "
-                                "gates.min_tool_call_share 50.0%) (also: tag loops")
+    assert r["line"] == ("not usable: you will train on 3 tool records: 1 call a tool (33.3%), 1 answer in prose, 1 "
+                         "refuse; 33.3% call a tool, under gates.min_tool_call_share 50.0%; next: dflash inspect "
+                         "results/validated --category tool: what the kept records do instead")
     bad = {**answer(xml("get_stock", symbol="NVDA")), "id": "bad"}
     r = tally(tmp_path, [PROSE, bad, {**bad, "id": "bad2"}])
-    assert r["line"].startswith("not usable: 0 of 1 kept tool records call a tool (0.0%, under "
-                                "gates.min_tool_call_share 30.0%); 66.7% of 3 tool records rejected, over "
-                                "gates.max_category_reject_rate 50.0% (tool_unknown_name 2)")
+    assert r["line"] == ("not usable: you will train on 1 tool records: 0 call a tool (0.0%), 1 answer in prose, 0 "
+                         "refuse; 0.0% call a tool, under gates.min_tool_call_share 30.0%; 66.7% of 3 rejected, over "
+                         "gates.max_category_reject_rate 50.0% (tool_unknown_name 2); next: dflash inspect "
+                         "results/validated --category tool: what the kept records do instead")
     assert r["never_offered"] == ["get_stock"] and r["schema"]["to_offered_tools"] == 0
 
 
@@ -198,3 +202,19 @@ def test_the_report_shows_escape_sequences_of_records_escaped(tmp_path):
     prose = {**answer(f"It is sunny in Paris today, no call needed. {HOSTILE}"), "id": "esc"}
     text = render({**tally(tmp_path, [prose]), "output_dir": "results", "shards": 1, "thresholds": GATES})
     assert "\\x1b]52;c;cm0gLXJmIH4=\\x07" in text and not {"\x1b", "\x07", "\r", "\x9b", "\u202e"} & set(text)
+
+
+def test_the_caveats_are_on_what_you_train_on_with_the_next_step(tmp_path):
+    """Before, the headline's "80% of calls pass" counted rejected records' calls too. Now a schema
+    failure the validate stage rejected is the target's (the second line); one it only flagged is
+    in the training data, a caveat, with the command that shows it."""
+    bad = {**answer(xml(city="Paris", days="zero")), "id": "bad"}
+    rejected = tally(tmp_path, [CALL, PROSE, bad])
+    assert rejected["verdict"] == "usable" and rejected["caveats"] == []
+    assert rejected["target"] == ("the target, on all 3 tool records: 33.3% rejected (tool_args_schema 1); 1 of 2 "
+                                  "calls to offered tools pass their schema (50.0%)")
+    flagged = tally(tmp_path, [CALL, PROSE, bad], cfg={**CFG, "checks": {**CFG["checks"], "tool_args_schema": "flag"}})
+    assert flagged["line"] == ("usable with caveats: you will train on 3 tool records: 1 call a tool (33.3%), 1 "
+                               "answer in prose, 0 refuse, 1 hold a broken call; 1 of their 2 calls to offered tools "
+                               "fail the tool's schema (its check set to flag); next: dflash inspect results/validated "
+                               "--category tool --flag tool_args_schema")

@@ -49,3 +49,20 @@ def test_prompts_twin_and_clear_errors(tmp_path, capsys, monkeypatch, target_dir
     bad.write_text("prompts: {sources: [{name: a, path: a.jsonl}]}\nrun_name: x\n")
     assert main(["validate", "--config", str(bad), "--completions", "c", "--validated", "v", "--rejected", "r", "--qa", "q"]) == 2
     assert "unknown key 'run_name'" in capsys.readouterr().err
+
+
+def test_the_real_run_page_commands_parse_and_the_readme_stays_short():
+    """docs/real-run.md's `dflash` commands are ones the CLI takes, flags and all; the README (at
+    most 250 lines, the depth in docs/) links the page."""
+    import shlex
+
+    from dflash.cli import parser
+
+    page = (ROOT / "docs" / "real-run.md").read_text()
+    commands = [line.split("#")[0].strip() for block in page.split("```")[1::2]
+                for line in block.splitlines() if line.startswith("dflash ")]
+    assert len(commands) >= 6, commands
+    for command in commands:
+        parser().parse_args(shlex.split(command)[1:])  # argparse exits on a flag it does not know
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250 and "(docs/real-run.md)" in readme

@@ -89,7 +89,7 @@ def test_the_core_modules_import_no_stage():
     import ast
 
     core = {"io", "tensors", "config", "records", "vocabulary", "loops", "toolcalls", "dialects", "chat", "errors",
-            "storage", "units", "workflow", "charts", "curves"}
+            "storage", "units", "workflow", "charts", "curves", "run_stamp"}
     for name in core:
         tree = ast.parse((ROOT / "dflash" / f"{name}.py").read_text())
         imported = {n.module.split(".")[1] for n in ast.walk(tree)

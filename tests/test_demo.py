@@ -43,9 +43,9 @@ def test_the_readme_states_the_demos_counts(demo):
     assert readme_row("records kept").startswith(
         f"{qa['kept']} of {qa['records']} ({qa['reject_rate']:.1%} rejected; a replayed tool conversation gives a "
         f"record per turn); {per_category} rejected")
-    why = README[README.index("| records kept |"):].split("\n")[0]  # the row's explanation names the reasons
-    for check in ("tool_unknown_name", "tool_args_schema", "tool_missing_required", "finish_length", "repetition_loop"):
-        assert f"`{check}` {qa['checks'][check]['total']}" in why, check
+    why = README[README.index("| records kept |"):].split("\n")[0]  # the row's explanation names every reason
+    for check, counts in qa["checks"].items():
+        assert (f"`{check}` {counts['total']}" in why) == bool(counts["total"]), check
     tool = categories["tool"]
     assert readme_row("kept tool records that call a tool").startswith(f"{tool['kept_calling_tool']} of {tool['kept']}")
     tokens = qa["trainable_tokens"]
@@ -54,6 +54,25 @@ def test_the_readme_states_the_demos_counts(demo):
 
 
 def test_the_readme_quotes_the_demos_tool_verdict(demo, capsys):
+    """README's verdict and target lines, and docs/quality.md's sample of the whole report (its
+    lines the demo's, "..." where it leaves some out), are what the check prints on the demo."""
     main(["check", "tools", str(demo)])
-    verdict = capsys.readouterr().out.splitlines()[0]
-    assert f"\n{verdict}\n" in README
+    out = capsys.readouterr().out.replace(str(demo), "results").splitlines()
+    assert f"\n{out[0]}\n{out[1]}\n" in README
+    quality = (ROOT / "docs" / "quality.md").read_text()
+    sample = quality[quality.index("The demo's (`dflash check tools results`"):].split("```")[1].strip("\n").splitlines()
+    assert sample[:2] == out[:2] and [line for line in sample if line.strip() != "..." and line not in out] == []
+
+
+def test_the_docs_examples_name_the_demos_shards_and_ids(demo, capsys):
+    """Every `dflash inspect` or `snakemake` example of the README and docs/quality.md that names a
+    demo shard names one the demo has, and an --id it gives is in that shard."""
+    docs = README + (ROOT / "docs" / "quality.md").read_text()
+    examples = re.findall(r"(?:dflash inspect|snakemake) (results/\S+shard-\d{5}\S*)([^\n`]*)", docs)
+    assert len(examples) >= 4, examples
+    for path, rest in examples:
+        shards = sorted(demo.parent.glob(path))
+        assert shards, f"{path}: the demo has no such shard"
+        if found := re.search(r"--id (\w+)", rest):
+            assert main(["inspect", *map(str, shards), "--id", found.group(1), "--limit", "1"]) == 0, path
+            capsys.readouterr()

@@ -52,6 +52,23 @@ def test_filters_combine_and_json_is_the_whole_record(shards, capsys):
     assert out.count("── ") == 1 and err.strip() == "1 of 4 shown (--limit 1; --limit 0 shows all)"
 
 
+def test_a_folder_is_its_shards(shards, capsys, tmp_path):
+    """A stage's output folder: its shards in name order (the summaries and indexes beside them
+    left out); a folder with none says so."""
+    folder = tmp_path / "validated"
+    folder.mkdir()
+    for name in ("shard-00001.jsonl.zst", "shard-00000.jsonl.zst"):
+        (folder / name).write_bytes((shards / "validated.jsonl.zst").read_bytes())
+    (folder / "shard-00000.summary.json").write_text("{}")
+    rc, out, err = inspect(capsys, folder, "--json", "--limit", "0")
+    assert rc == 0 and len(out.splitlines()) == 2 * len(read_jsonl(shards / "validated.jsonl.zst")), err
+    (tmp_path / "empty").mkdir()
+    rc, _, err = inspect(capsys, tmp_path / "empty")
+    assert rc == 1 and err.strip() == (f"dflash inspect: {tmp_path}/empty: a folder with no shards (.jsonl.zst, .jsonl, "
+                                       f".safetensors) in it: give a stage's output folder (results/validated) or its "
+                                       f"shards")
+
+
 def test_tokenized_rows_show_prompt_and_supervised_output(tmp_path, capsys, target, target_dir):
     tok = target[1]
     write_jsonl_zst(tmp_path / "v.jsonl.zst", [validated(with_ids(tok, "a", "Two plus two is four.\n</think>\n\n4"))])

@@ -1,4 +1,6 @@
 """The real Snakemake pipeline, end to end, on a small slice of the demo data (a few minutes)."""
+import contextlib
+import io
 import json
 import re
 import shutil
@@ -10,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from dflash.cli import main
 from dflash.io import read_json, read_jsonl, write_jsonl_zst
 from tests.helpers import record_errors
 from tests.conftest import ROOT
@@ -77,6 +80,12 @@ def test_whole_chain_runs_and_writes_every_stage(pipeline):
     tail = out[out.index("run demo ("):]
     assert re.search(r"^kept: \d+ of 32 completions kept", tail, re.M) and "acceptance length: " in tail
     assert "report: results/report/summary.html" in tail
+    # and `dflash check run` prints it again, from any terminal, later
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["check", "run", str(res)]) == 0
+    headline = printed.getvalue().replace(str(res), "results").splitlines()
+    assert headline[-1] == "report: results/report/summary.html" and "\n".join(headline) in tail
     assert "Output length per category" in (res / "report" / "qa.html").read_text()
     for rule in ("prompts", "target", "train/demo", "eval/demo", "eval/demo.trained.0", "eval/demo.trained.1",
                  "eval/demo.untrained.0", "eval/demo.untrained.1", "eval/demo.thinking_off.0",

@@ -248,6 +248,9 @@ def test_the_real_config_spreads_training_over_the_nodes_it_rents(tmp_path):
         one = b["training_on_one_node"]
         assert one["hours"] == pytest.approx(g["hours"] + t["spread"][0]["hours"] + b200["eval_hours"])
         assert one["cost"] == pytest.approx((n * g["hours"] + t["spread"][0]["hours"] + b200["eval_hours"]) * 8 * 3.86)
+        rerun = b["rerun_after_validation"]  # all but generation: samples dropped after the run
+        assert rerun["hours"] == pytest.approx(x["hours"] + b200["eval_hours"])
+        assert rerun["cost"] == pytest.approx((n * x["hours"] + b200["eval_hours"]) * 8 * 3.86)
     # spread over 4 nodes, the run takes about a third of the time for 1% more money
     assert bills[2]["hours"] < bills[2]["training_on_one_node"]["hours"] / 2.5
     assert bills[0]["cost"] < bills[2]["cost"] < 1.02 * bills[0]["cost"]
@@ -257,6 +260,48 @@ def test_the_real_config_spreads_training_over_the_nodes_it_rents(tmp_path):
            in lines and "assumed: 900 GB/s within a node, 400 GB/s a node between nodes" in lines
     assert re.search(r"x4 nodes: generation 4\.0 h \+ training 9\.\d h \(12,500 steps\) \+ eval [\d.]+ min = 1\d\.\d h, "
                      r"\$1,6\d\d; training on one node: 4\d\.\d h, \$1,6\d\d", lines), lines
+    assert re.search(r"a re-run from validation on \(samples dropped, a check changed; no generation\): x1 3\d\.\d h, "
+                     r"\$1,1\d\d, x2 1\d\.\d h, \$1,1\d\d, x4 1\d\.\d h, \$1,1\d\d", lines), lines
     # the RTX node has 4 GPUs: the same rows take twice the steps on one node, and the config's 8 GPUs do not fit
     rtx = stages["kinds"]["rtxpro6000"]["training"]
     assert rtx["spread"][0]["steps"] == 100_000 and "(train.gpus 8 is more than a node has: set 4)" in lines
+
+
+def test_the_plan_counts_the_held_out_set_the_prompts_stage_will_draw_and_warns_without_one(tmp_path):
+    """Before the prompts exist: sources with no split get prompts.heldout_share of each category
+    held out, as the prompts stage draws them; with the share at 0 the plan says the eval will have
+    nothing to measure (it used to print "eval 0 s" and leave it out of the bill)."""
+    from dflash.plan import prompt_counts
+    from dflash.prompt_checks import heldout_settings
+    from dflash.prompts import build_prompts
+    from tests.test_prompts import mixed_openai_source
+
+    cfg = load_config(ROOT / "config.yaml")
+    cfg["prompts"]["sources"] = [mixed_openai_source(tmp_path)]
+    cfg["output_dir"] = str(tmp_path / "results")
+    counts = prompt_counts(cfg)
+    manifest = build_prompts(cfg["prompts"]["sources"], tmp_path / "p", 50, heldout=heldout_settings(cfg))
+    assert (counts["heldout"], counts["prompts"], counts["categories"]) == (
+        manifest["heldout"], manifest["prompts"], manifest["categories"]) == (3, 87, {"other": 58, "tool": 29})
+    assert counts["from"] == "the sources, counted; held out: prompts.heldout_share 0.02"
+    cfg["prompts"]["heldout_share"] = 0
+    plan = forecast(cfg, prompt_counts(cfg), output_tokens=1e6)
+    assert plan["heldout"] == 0
+    assert ("  warning: no held-out prompts: the eval will have nothing to measure, and the bill has no eval; set "
+            "prompts.heldout_share or mark a source split: heldout (or give --heldout)") in plan_lines(plan)
+
+
+def test_tokens_per_prompt_and_a_total_over_max_tokens_is_a_warning(tmp_path):
+    """--mean-output-tokens takes the figure a user knows per prompt; a total that makes each
+    completion longer than max_tokens (1.64e9 typed as 1.64e12, say) is said before money is spent."""
+    real = ["--config", str(ROOT / "config/qwen3.6-27b.yaml"), "--prompts", "1000"]
+    run = plan_cli(*real, "--mean-output-tokens", "1800", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("plan: 1,000 prompts (from --prompts), 1.8e6 output tokens (from plan.mean_output_tokens)")
+    assert "warning" not in run.stdout
+    run = plan_cli(*real, "--output-tokens", "1.64e12", cwd=tmp_path)
+    assert ("  warning: 1,640,000,000 output tokens per prompt, over generate.sampling.max_tokens 4,096: one completion "
+            "cannot be that long, so the total is too high unless the prompts are replayed conversations (a "
+            "completion per turn); check --output-tokens (the total) or give --mean-output-tokens") in run.stdout
+    both = plan_cli(*real, "--output-tokens", "1e6", "--mean-output-tokens", "10", cwd=tmp_path)
+    assert both.returncode == 1 and "give --output-tokens (the total) or --mean-output-tokens" in both.stderr

@@ -216,6 +216,27 @@ def test_a_wrong_site_file_stops_before_any_job(tmp_path):
     assert missing.returncode != 0 and "nope.yaml: no site file" in missing.stdout + missing.stderr
 
 
+def test_a_missing_model_folder_or_exclusion_file_is_one_line_at_the_plan(tmp_path):
+    """Before: Snakemake's MissingInputException for the model folder, a FileNotFoundError
+    traceback for an exclusion file. Now one line each, naming the key and what to do."""
+    real = real_workdir(tmp_path)
+    cfg = yaml.safe_load(real.read_text())
+    cfg["target"]["path"] = str(tmp_path / "models" / "Qwen3.6-27B")
+    real.write_text(yaml.safe_dump(cfg))
+    run = dry_run(tmp_path, "--configfile", str(real))
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert (f"at target.path: {tmp_path}/models/Qwen3.6-27B: no such model folder on this machine: download the "
+            f"model there (the jobs read its weights); to plan (snakemake -n, dflash plan), a folder with its "
+            f"config.json and tokenizer files is enough") in run.stderr
+    cfg["target"]["path"] = str(fake_model(tmp_path / "model"))
+    cfg["validate"]["exclude"] = ["lists/leaked.txt"]
+    real.write_text(yaml.safe_dump(cfg))
+    run = dry_run(tmp_path, "--configfile", str(real))
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert ("at validate.exclude: lists/leaked.txt: no such file (paths are relative to the folder snakemake runs "
+            "in): fix the path, or take it out of the list") in run.stderr
+
+
 @pytest.mark.parametrize("profile", ["slurm-b200", "slurm-rtxpro6000"])
 def test_slurm_profiles_keep_every_job_log_and_need_no_accounting(profile, monkeypatch):
     """docs/cluster.md promises each sbatch job's log in logs/slurm/ (the plugin deletes a

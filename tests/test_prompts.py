@@ -333,9 +333,11 @@ def output_digest(folder: Path) -> str:
     return h.hexdigest()
 
 
-DEMO_DIGEST = "91b86e8da2c4eab60114f9dfc765495095c7484bb714bb82848a28fddfe8a52a"  # `built`: the demo, shards of 50
-SYNTHETIC_DIGEST = {"drop": "f351ac87560e3336c9761beffef4d3718d9ded065c328d39d032c027eecfbec1",
-                    "flag": "6eefa00fadb81bd447de9232d14d2156030134c235c8d606784c42953991774e"}
+DEMO_DIGEST = "999402fc9d1f1438794489dcf0553ab4f951bc3434cdb9367f19ae8e876413a9"  # `built`: the demo, shards of 50
+# the manifest says where the held-out set and the categories came from; "mixed" gives no category,
+# so its records that offer tools are tool prompts
+SYNTHETIC_DIGEST = {"drop": "081a31bdd3604ee08b7190edab16339f0be55b48068f7ea2bfef297c9062ea7b",
+                    "flag": "c55252a4a214809f82091c0ecf6e0d085de58a974b504c4d7782365c0ca837f2"}
 
 
 def test_demo_shards_are_the_fixed_ones(built):
@@ -623,3 +625,74 @@ def test_prompts_cli_reads_an_array(tmp_path, target_dir):
     assert main(["prompts", "--config", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "p"), "--target",
                  str(target_dir)]) == 0
     assert read_json(tmp_path / "p" / "manifest.json")["sources"]["sharegpt"]["dropped"] == SHAREGPT_DROPS
+
+
+def mixed_openai_source(tmp_path, chat: int = 60, tool: int = 30, **extra) -> dict:
+    """An OpenAI-messages JSONL as users bring one: no category, no split; some prompts offer tools."""
+    parameters = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                                "parameters": parameters}}
+    lines = [{"messages": [{"role": "user", "content": f"Tell me something about the number {i}."}]}
+             for i in range(chat)]
+    lines += [{"messages": [{"role": "user", "content": f"What is the weather in city number {i}?"}],
+               "tools": [weather]} for i in range(tool)]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return {"name": "mixed", "path": str(path), "format": "openai", **extra}
+
+
+def test_prompts_that_offer_tools_are_tool_prompts_when_no_category_is_given(tmp_path):
+    """Before: every record of a mixed JSONL without category was `other` ({"other": 100} with 30
+    tool prompts), so the tool gates and `dflash check tools` saw none. Now the tools decide, the
+    record and the manifest say the category was inferred, and a given category still wins."""
+    manifest = build_prompts([mixed_openai_source(tmp_path)], tmp_path / "p", 50)
+    assert manifest["categories"] == {"other": 60, "tool": 30}
+    assert manifest["categories_inferred"] == manifest["categories"]
+    records = [r for shard in sorted((tmp_path / "p").glob("shard-*")) for r in read_jsonl(shard)]
+    assert all(r["meta"]["category_inferred"] and (r["category"] == "tool") == bool(r["tools"]) for r in records)
+    given = build_prompts([mixed_openai_source(tmp_path, category="chat")], tmp_path / "q", 50)
+    assert given["categories"] == {"chat": 90} and given["categories_inferred"] == {}
+
+
+def test_prompts_all_in_other_are_a_warning(tmp_path, caplog):
+    manifest = build_prompts([mixed_openai_source(tmp_path, tool=0)], tmp_path / "p", 50,
+                             heldout={"share": 0.02, "max_per_category": 100})
+    assert manifest["warnings"] == ["every training prompt is in category other (no record or source gives one, "
+                                    "and none offers tools): acceptance is reported for other alone; give the sources "
+                                    "a category (prompts.sources[].category)"]
+    assert "prompts: every training prompt is in category other" in caplog.text
+
+
+def test_a_held_out_set_is_drawn_from_each_category_when_no_source_marks_one(tmp_path, caplog):
+    """Sources without a split gave 0 held-out prompts, and the eval failed only after generation
+    was paid for. Now prompts.heldout_share (default 0.02, at most heldout_max_per_category) of each
+    category is held out: its smallest ids, the same whatever order the sources are read in."""
+    heldout = {"share": 0.02, "max_per_category": 100}
+    manifest = build_prompts([mixed_openai_source(tmp_path)], tmp_path / "p", 50, heldout=heldout)
+    # ceil(0.02 x 60) = 2 of other, ceil(0.02 x 30) = 1 of tool
+    assert manifest["heldout_categories"] == {"other": 2, "tool": 1} and manifest["heldout"] == 3
+    assert manifest["categories"] == {"other": 58, "tool": 29} and manifest["prompts"] == 87
+    assert manifest["heldout_from"] == {**heldout, "drawn": 3} and manifest["warnings"] == []
+    held = read_jsonl(tmp_path / "p" / "heldout.jsonl.zst")
+    train = [r for shard in sorted((tmp_path / "p").glob("shard-*")) for r in read_jsonl(shard)]
+    assert all(r["meta"]["split"] == "heldout" for r in held) and all(r["meta"]["split"] == "train" for r in train)
+    for category in ("other", "tool"):
+        drawn = sorted(r["id"] for r in held if r["category"] == category)
+        assert drawn == sorted(r["id"] for r in train + held if r["category"] == category)[:len(drawn)]
+    reversed_source = tmp_path / "reversed.jsonl"
+    reversed_source.write_text("".join(reversed((tmp_path / "mixed.jsonl").read_text().splitlines(True))))
+    again = build_prompts([{**mixed_openai_source(tmp_path), "path": str(reversed_source)}], tmp_path / "p2", 50,
+                          heldout=heldout)
+    assert sorted(r["id"] for r in read_jsonl(tmp_path / "p2" / "heldout.jsonl.zst")) == sorted(r["id"] for r in held)
+    # the cap, and a source that marks its own held-out records: nothing drawn
+    capped = build_prompts([mixed_openai_source(tmp_path)], tmp_path / "q", 50, heldout={**heldout, "share": 0.5,
+                                                                                         "max_per_category": 4})
+    assert capped["heldout_categories"] == {"other": 4, "tool": 4}
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Held {i}"}]})
+                                                 + "\n" for i in range(3)))
+    eval_source = {"name": "eval", "path": str(tmp_path / "eval.jsonl"), "split": "heldout"}
+    marked = build_prompts([mixed_openai_source(tmp_path), eval_source], tmp_path / "r", 50, heldout=heldout)
+    assert marked["heldout"] == 3 and marked["heldout_from"] == "the sources' splits" and marked["prompts"] == 90
+    none = build_prompts([mixed_openai_source(tmp_path)], tmp_path / "s", 50, heldout={**heldout, "share": 0})
+    assert none["heldout"] == 0 and none["warnings"][0].startswith("no held-out prompts")
+    assert "prompts: no held-out prompts (no source marks a split of heldout" in caplog.text

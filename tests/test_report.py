@@ -120,7 +120,8 @@ def report_pages(qa_summary, tmp_path):
     for path, start, seconds in zip(generated, (0, 900), (1800, 2700)):
         write_json(path, {"prompts": 3, "requests": 3, "output_tokens": 1000, "seconds": seconds, "started_at": start})
     config = {"run": "r1", "target": {"path": None}, "output_dir": "results", "tracking": defaults("tracking"),
-              "generate": {"budget": {"nodes": 2, "profile": "b200", "max_cost": 500}, "enable_thinking": True},
+              "generate": {"budget": {"nodes": 2, "profile": "b200", "max_cost": 500}, "enable_thinking": True,
+                           "server": {"launch": None}},
               "plan": {"profiles": {"b200": {"gpus_per_node": 8, "gpu_hour_price": 3.0}}}}
     about = provenance(config, Path(__file__).parent)
     pages = tmp_path / "report"

