@@ -367,6 +367,6 @@ def destroy_verdict(found: dict, where: str) -> tuple[list[str], str]:
         return lines, f"{held}: safe to destroy"
     fix = (f"let the run finish (or re-run snakemake with --default-storage-prefix {found['prefix']}), then check again"
            if found["prefix"] else "run with --default-storage-provider s3 --default-storage-prefix s3://... "
-           "(README: Running on rented machines), or copy results/ off this machine")
+           "(docs/storage.md: running on rented machines), or copy results/ off this machine")
     return lines, (f"NOT safe to destroy: {len(found['files'])} file(s), {human_bytes(found['bytes'])}, only on this "
                    f"machine; {len(found['incomplete'])} incomplete job output(s). {fix[0].upper()}{fix[1:]}")

@@ -334,7 +334,8 @@ def test_pipeline_adopts_a_log_instead_of_generating(tmp_path, tok, target_dir):
     pairs = exchanges(tok)
     write_jsonl_zst(tmp_path / "logged.jsonl.zst", [line for line, _ in pairs])
     config = yaml.safe_load((ROOT / "config.yaml").read_text())
-    config["prompts"] = {"shard_size": 4, "sources": [
+    # every logged exchange adopted for training: none drawn into a held-out set (prompts.heldout_share)
+    config["prompts"] = {"shard_size": 4, "heldout_share": 0, "sources": [
         {"name": "logged", "path": str(tmp_path / "logged.jsonl.zst"), "format": "chat_completions"}]}
     config["target"]["path"] = str(target_dir)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))

@@ -46,6 +46,9 @@ def test_the_readme_states_the_demos_counts(demo):
     why = README[README.index("| records kept |"):].split("\n")[0]  # the row's explanation names every reason
     for check, counts in qa["checks"].items():
         assert (f"`{check}` {counts['total']}" in why) == bool(counts["total"]), check
+    aborts = [read_json(p)["loop_aborts"] for p in sorted((demo / "completions").glob("*.summary.json"))]
+    assert (f"`generate.loop_abort` cut {sum(a['records'] for a in aborts)} of them as soon as they certainly looped, "
+            f"{sum(a['tokens_saved'] for a in aborts)} tokens not generated") in why
     tool = categories["tool"]
     assert readme_row("kept tool records that call a tool").startswith(f"{tool['kept_calling_tool']} of {tool['kept']}")
     tokens = qa["trainable_tokens"]
@@ -68,7 +71,7 @@ def test_the_docs_examples_name_the_demos_shards_and_ids(demo, capsys):
     """Every `dflash inspect` or `snakemake` example of the README and docs/quality.md that names a
     demo shard names one the demo has, and an --id it gives is in that shard."""
     docs = README + (ROOT / "docs" / "quality.md").read_text()
-    examples = re.findall(r"(?:dflash inspect|snakemake) (results/\S+shard-\d{5}\S*)([^\n`]*)", docs)
+    examples = re.findall(r"(?:dflash inspect|snakemake) (results/[\w/-]*shard-\d{5}[\w.]*)([^\n`]*)", docs)
     assert len(examples) >= 4, examples
     for path, rest in examples:
         shards = sorted(demo.parent.glob(path))
