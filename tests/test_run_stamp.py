@@ -34,8 +34,15 @@ def test_a_folder_of_another_run_is_named_and_this_runs_own_is_not(tmp_path):
         f"{out}: holds another run's outputs (sources demo-chat, demo-code, demo-reasoning, demo-tool; target the demo "
         f"target, from config.yaml), and mine.yaml names sources mixed; target target: give this run an output_dir of "
         f"its own (e.g. output_dir: results-mine), or move {out} aside; nothing here deletes another run's outputs")
-    stamp_run(out, mine(tmp_path), "mine.yaml")  # the first stamp stays
-    assert json.loads((out / STAMP).read_text())["identity"] == run_identity(DEMO)
+    # a source added to the run (or one dropped) leaves it the same run, and the stamp follows it
+    grown = {**DEMO, "prompts": {**DEMO["prompts"], "sources": [*DEMO["prompts"]["sources"],
+                                                                mixed_openai_source(tmp_path)]}}
+    assert foreign_run(out, grown, "grown.yaml") is None
+    stamp_run(out, grown, "grown.yaml")
+    assert json.loads((out / STAMP).read_text())["identity"] == run_identity(grown)
+    assert foreign_run(out, DEMO, "config.yaml") is None
+    other_target = {**DEMO, "target": {**DEMO["target"], "path": "/models/Qwen3.6-27B"}}
+    assert "target Qwen3.6-27B: give this run" in foreign_run(out, other_target, "q.yaml")
     # a folder of a version before the stamp: its prompts manifest's sources
     legacy = tmp_path / "legacy"
     write_json(legacy / "prompts" / "manifest.json", {"sources": {"demo-chat": {}, "demo-tool": {}}})
