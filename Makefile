@@ -31,7 +31,7 @@ demo: install
 
 # The demo's target, shipped in data/demo/target: taught by `dflash target` on the demo sources
 # with config.yaml's target.build (about 6 minutes on 2 cores). Run it after changing either, or
-# dflash/target.py, and commit the folder: the target stage copies it only while its
+# dflash/target/stage.py, and commit the folder: the target stage copies it only while its
 # provenance.json matches them (tests/test_target.py checks that it does).
 demo-target: install
 	$(BIN)/dflash target --threads 2 --out data/demo/target --teach

@@ -2,7 +2,7 @@
 
 Compared, in one process with the same torch threads, on the run's held-out prompts:
 
-- ours:      ``dflash.eval.speculative_generate`` (the eval job's decoder: the target's KV cache
+- ours:      ``dflash.eval.stage.speculative_generate`` (the eval job's decoder: the target's KV cache
              with linear-attention states rolled back on a rejection, the drafter's context
              keys and values cached);
 - reference: ``dflash_generate`` of PyPI ``dflash`` 0.1.0 (z-lab), loaded by path from the
@@ -56,16 +56,17 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dflash
-from dflash.chat import stop_token_ids
-from dflash.config import load_config
-from dflash.drafter import TargetIO, load_drafter
-from dflash.eval import encode_prompts, load_target, settings, speculative_generate
-from dflash.hidden import capture_shard
-from dflash.hidden_cache import HIDDEN_FORMAT, layer_selection
-from dflash.io import read_jsonl
-from dflash.target import build_target
-from dflash.train import drafter_train_cfg, train
-from dflash.workflow import demo_target_sources
+from dflash.core.chat import stop_token_ids
+from dflash.core.config import load_config
+from dflash.train.drafter import TargetIO, load_drafter
+from dflash.eval.stage import encode_prompts, load_target, settings, speculative_generate
+from dflash.hidden.stage import capture_shard
+from dflash.core.shapes import layer_selection
+from dflash.core.shapes import HIDDEN_FORMAT
+from dflash.core.io import read_jsonl
+from dflash.target.stage import build_target
+from dflash.train.stage import drafter_train_cfg, train
+from dflash.core.workflow import demo_target_sources
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,7 +124,7 @@ def attention_only_models(results: Path, config: dict, work: Path) -> tuple[Path
 
 
 def load_ours(target_dir: Path, drafter_dir: Path):
-    """As ``dflash.eval.evaluate`` loads them."""
+    """As ``dflash.eval.stage.evaluate`` loads them."""
     target = load_target(target_dir, settings({"device": "cpu"}))  # the eval settings, completed as evaluate's
     drafter = load_drafter(drafter_dir)[0].to(target.device, target.dtype).eval()
     return target, drafter

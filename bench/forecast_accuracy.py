@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash.io import iter_jsonl, read_json  # noqa: E402
+from dflash.core.io import iter_jsonl, read_json  # noqa: E402
 
 
 def main() -> None:

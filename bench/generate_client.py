@@ -107,8 +107,8 @@ def request_key(body: dict) -> str:
 
 def prompt_ids_by_request(target: Path, cfg: dict, prompts: list[dict]) -> dict[str, list[int]]:
     """The prompt ids of each prompt's request, as the stage renders and encodes them."""
-    from dflash.backends import OpenAIBackend, resolve_sampling
-    from dflash.chat import render
+    from dflash.generate.backends import OpenAIBackend, resolve_sampling
+    from dflash.core.chat import render
 
     backend = OpenAIBackend(target, cfg)
     sampling, thinking = resolve_sampling(cfg, backend.generation_config()), cfg["enable_thinking"]
@@ -141,7 +141,7 @@ def serve(port: int, canned_path: Path, prompt_ids_path: Path) -> None:
 
 def run_ours(shards: list[Path], out: Path, target: Path, cfg: dict, seconds: float) -> int:
     """Shard after shard until ``seconds`` have passed; returns the requests sent."""
-    from dflash.generate import generate_shard
+    from dflash.generate.stage import generate_shard
 
     t0, requests = time.perf_counter(), 0
     for shard in shards:
@@ -160,7 +160,7 @@ def run_bare(shards: list[Path], out: Path, bodies: dict[str, dict], prompts: di
     import aiohttp
     import zstandard
 
-    from dflash.chat import finish_reason, split_reasoning
+    from dflash.core.chat import finish_reason, split_reasoning
 
     url, concurrency = cfg["server"]["url"], cfg["server"]["concurrency"]
     thinking, max_tokens = cfg["enable_thinking"], cfg["sampling"]["max_tokens"]
@@ -211,7 +211,7 @@ def client(side: str, work: Path, warmup: Path, shards: list[Path], out: Path, s
     shard after shard until ``seconds`` have passed; prints CPU seconds, wall seconds and
     requests as one JSON line."""
     where = pin(1)
-    from dflash.io import iter_jsonl
+    from dflash.core.io import iter_jsonl
 
     cfg = json.loads((work / "cfg.json").read_text())
     target = work / "target"
@@ -222,10 +222,10 @@ def client(side: str, work: Path, warmup: Path, shards: list[Path], out: Path, s
     else:
         from transformers import AutoTokenizer
 
-        from dflash.chat import stop_token_ids
-        from dflash.backends import OpenAIBackend, resolve_sampling
-        from dflash.replay import sample_seed
-        from dflash.resume import settings_digest
+        from dflash.core.chat import stop_token_ids
+        from dflash.generate.backends import OpenAIBackend, resolve_sampling
+        from dflash.generate.replay import sample_seed
+        from dflash.generate.resume import settings_digest
 
         backend = OpenAIBackend(target, cfg)  # only to prebuild the bodies the stage sends
         sampling = resolve_sampling(cfg, backend.generation_config())
@@ -254,8 +254,8 @@ def client(side: str, work: Path, warmup: Path, shards: list[Path], out: Path, s
 
 def prompt_shards(work: Path, sources: list[dict], shard_size: int, count: int, tag: str) -> list[Path]:
     """``count`` shards of demo prompts under fresh hex ids (no replays)."""
-    from dflash.io import write_jsonl_zst
-    from dflash.prompts import read_source
+    from dflash.core.io import write_jsonl_zst
+    from dflash.prompts.stage import read_source
 
     base = [r for s in sources for r in read_source(s)]
     shards = []
@@ -319,9 +319,9 @@ def main() -> None:
         sys.exit(f"aiohttp is not installed: the fake server and the bare client need it "
                  f"({sys.executable} -m pip install aiohttp)")
 
-    from dflash.config import load_config
-    from dflash.target import build_target
-    from dflash.teach import load_conversations
+    from dflash.core.config import load_config
+    from dflash.target.stage import build_target
+    from dflash.target.teach import load_conversations
 
     config = load_config(ROOT / "config.yaml")
     sources = [{**s, "path": str(ROOT / s["path"])} for s in config["prompts"]["sources"]]
@@ -346,7 +346,7 @@ def main() -> None:
                       "retries": 0, "extra_body": {}, "concurrency": args.concurrency,
                       "max_connection_failures": 16, "stream": False}}  # the bare client reads whole JSON replies
     (work / "cfg.json").write_text(json.dumps(cfg))
-    from dflash.prompts import read_source
+    from dflash.prompts.stage import read_source
 
     (work / "prompt_ids.json").write_text(json.dumps(prompt_ids_by_request(
         work / "target", cfg, [r for s in sources for r in read_source(s)])))

@@ -16,7 +16,7 @@ into the same preallocated greedy tokens, written with the same safetensors call
 All sides run the whole per-shard job on the same tokenized shard: load the rows and the target,
 forward every row (one at a time, no padding), write ``hidden_states`` [T, k, H] and
 ``target_argmax`` [T] (int32) with the rows' ``input_ids`` and ``offsets``. Ours is
-``dflash.hidden.capture_shard`` (forward hooks on the selected layers only, the greedy tokens from
+``dflash.hidden.stage.capture_shard`` (forward hooks on the selected layers only, the greedy tokens from
 the last layer's normed output through the lm_head a chunk of rows at a time, never the whole
 logits; as the ``hidden`` rule calls it). A third side, measured in the same rounds, is the
 features-only floor: the decoder stack alone (``model.get_decoder()``, no lm_head) with
@@ -38,7 +38,7 @@ real rows (log-normal, median about 1,500 tokens, at most ``tokenize.max_length`
 The projection to ``--project-tokens`` (default 1.64e9, the story's output tokens) is linear: time =
 tokens / measured tokens/s (this tiny target, these cores: it says nothing of a 27B target on a
 GPU, where the forward is everything), bytes = tokens x (layers x hidden x bytes per value + 4 B
-of greedy token) (``dflash.hidden.cache_bytes``), for the tiny target and, from its config's
+of greedy token) (``dflash.hidden.stage.cache_bytes``), for the tiny target and, from its config's
 shapes, for ``config/qwen3.6-27b.yaml``'s target.
 
 Usage: python bench/hidden_capture.py [--rows 80] [--rounds 5] [--threads 1] [--architecture qwen3_5_text]
@@ -62,10 +62,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash.config import load_config
-from dflash.hidden import DTYPES, capture_shard
-from dflash.hidden_cache import GREEDY_BYTES, HIDDEN_FORMAT, cache_bytes, layer_selection, resolve_layer_ids
-from dflash.units import human_bytes
+from dflash.core.config import load_config
+from dflash.hidden.stage import DTYPES, capture_shard
+from dflash.core.shapes import layer_selection, resolve_layer_ids
+from dflash.core.shapes import GREEDY_BYTES, HIDDEN_FORMAT, cache_bytes
+from dflash.core.units import human_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 # Qwen3.6-27B's text config (README: 64 layers, hidden 5120); the real model is not on this machine.
@@ -73,7 +74,7 @@ REAL_TARGET = {"name": "Qwen3.6-27B", "num_hidden_layers": 64, "hidden_size": 51
 
 
 def build_demo_target(workdir: Path, architecture: str) -> Path:
-    from dflash.target import build_target
+    from dflash.target.stage import build_target
 
     cfg = load_config(ROOT / "config.yaml")
     build = copy.deepcopy(cfg["target"]["build"])

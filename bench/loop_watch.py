@@ -1,4 +1,4 @@
-"""Online loop detection's cost per streamed token: dflash.loops.LoopWatch against the floor and
+"""Online loop detection's cost per streamed token: dflash.core.loops.LoopWatch against the floor and
 the naive re-check, on long outputs that loop and that do not.
 
 Outputs, 4 characters a token: a good one (reasoning prose, then an answer of prose, code
@@ -49,7 +49,7 @@ import timeit
 
 from validate_throughput import answer_body, prose
 
-from dflash.loops import LoopWatch, certain_loop, repetition_loop
+from dflash.core.loops import LoopWatch, certain_loop, repetition_loop
 
 MIN_REPEATS, MIN_CHARS = 4, 200
 LOOP = "<tool_call>\n</think>\n"

@@ -32,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash.io import dumps_line, jsonl_zst_writer  # noqa: E402
-from dflash.units import human_bytes  # noqa: E402
+from dflash.core.io import dumps_line, jsonl_zst_writer  # noqa: E402
+from dflash.core.units import human_bytes  # noqa: E402
 
 FULL = {"sharegpt": 420_000, "code": 200_000, "reasoning": 180_000, "tools": 113_786}  # 913,786 prompts
 SOURCES = [  # as config/qwen3.6-27b.yaml names them
@@ -47,8 +47,8 @@ GENERATOR_VERSION = 4  # bump when the records below change: the cached sets are
 CHILD = """
 import json, resource, sys, time
 from transformers import AutoTokenizer
-from dflash.prompt_checks import PromptChecks
-from dflash.prompts import build_prompts
+from dflash.prompts.checks import PromptChecks
+from dflash.prompts.stage import build_prompts
 sources, out, tokenizer = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 checks = PromptChecks(AutoTokenizer.from_pretrained(tokenizer), 32768, 4096, True, "drop")
 loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -168,7 +168,7 @@ def tokenizer_dir(data: Path) -> Path:
     """The demo tokenizer (byte-level BPE, Qwen's special tokens, Qwen3.6's chat template)."""
     path = data / "tokenizer"
     if not path.exists():
-        from dflash.teach import build_tokenizer, load_conversations
+        from dflash.target.teach import build_tokenizer, load_conversations
 
         tok = build_tokenizer(load_conversations(sorted((ROOT / "data/demo").glob("*.jsonl")), None), 4096)
         tok.save_pretrained(path)

@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
-from dflash.charts import bars_svg
+from dflash.report.charts import bars_svg
 
 OURS = "dflash-pipeline"
 

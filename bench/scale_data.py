@@ -233,8 +233,8 @@ def cross_shard_duplicates(results: Path, out: Path) -> int:
     earlier shard's: of every record kept, or rejected only as a copy (``duplicate_completion``) or
     already excluded, all but the first of each text in shard order. The rejected copies count
     because excluding a kept one would let its shard keep the next. Returns how many were added."""
-    from dflash.io import read_jsonl
-    from dflash.vocabulary import EXCLUDED
+    from dflash.core.io import read_jsonl
+    from dflash.core.reasons import EXCLUDED
 
     old = {json.loads(line)["id"] for line in out.open()} if out.exists() else set()
     copies = {"duplicate_completion", EXCLUDED}
@@ -293,7 +293,7 @@ def main() -> None:
         if not added:
             break
         config.write_text(yaml.safe_dump(scale_config([str(exclusions)], target), sort_keys=False))
-    from dflash.workflow import shard_ids
+    from dflash.core.workflow import shard_ids
 
     # the hidden states of every shard by name: the train rule that reads them is not run
     snakemake(a.out, config, a.cores, *(f"results/hidden/shard-{s}.safetensors"

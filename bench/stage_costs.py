@@ -1,5 +1,5 @@
 """Wall time and peak memory per stage of a finished pipeline run, from Snakemake's benchmark TSVs
-(dflash.benchmarks, which the report's time per stage uses too).
+(dflash.report.benchmarks, which the report's time per stage uses too).
 
 Usage: python bench/stage_costs.py [results/benchmarks]
 """
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's dflash, with any Python
-from dflash.benchmarks import stage_cost_lines, stage_costs  # noqa: E402
+from dflash.report.benchmarks import stage_cost_lines, stage_costs  # noqa: E402
 
 
 def main(root: str = "results/benchmarks") -> None:

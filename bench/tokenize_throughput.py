@@ -62,10 +62,10 @@ from pathlib import Path
 
 from validate_throughput import SAMPLING, TOOLS, tool_call  # bench/ is on the path when run as a script
 
-from dflash.chat import render_prompt
-from dflash.config import load_config
-from dflash.io import write_jsonl_zst
-from dflash.tokenize import tokenize_shard
+from dflash.core.chat import render_prompt
+from dflash.core.config import load_config
+from dflash.core.io import write_jsonl_zst
+from dflash.tokenize.stage import tokenize_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCALES = Path("/usr/share/locale")
@@ -181,7 +181,7 @@ class Corpus:
 
 def demo_tokenizer(workdir: Path):
     """The demo target's tokenizer, built from the shipped conversations (seconds, no model)."""
-    from dflash.teach import build_tokenizer, load_conversations
+    from dflash.target.teach import build_tokenizer, load_conversations
 
     sources = [ROOT / s["path"] for s in load_config(ROOT / "config.yaml")["prompts"]["sources"]]
     tok = build_tokenizer(load_conversations(sources, split=None), 4096)

@@ -13,7 +13,7 @@ steps on the same data and compares what they make:
 - drafter: the run's drafter config (`drafter` section: layers, block size, target layers, mask
   token), built by make_draft_config for both, so both have the same shape and RoPE;
 - training: the run's `train` section for steps, peak lr, rows per step and anchors per row;
-  each trainer otherwise runs its own recipe: ours dflash.train.train with the config's
+  each trainer otherwise runs its own recipe: ours dflash.train.stage.train with the config's
   `train.loss` (`--ablation`: each of {decay, dpace} weights x {data, target} labels), warmup +
   cosine, its AdamW (`--set KEY=VALUE` overrides one of our train settings); speculators the
   defaults of `speculators train --speculator-type dflash` (`bench/speculators_train_rows.py`: CE
@@ -29,7 +29,7 @@ steps on the same data and compares what they make:
   verifier_* copies of the target are dropped (ours reads them from the target). The conversion
   is checked: on one row with speculators' anchors, our DFlashDraftModel with the converted
   weights must give speculators' draft hidden states (max abs difference printed);
-- eval: dflash.eval.evaluate on the run's held-out prompts (greedy speculative decoding with the
+- eval: dflash.eval.stage.evaluate on the run's held-out prompts (greedy speculative decoding with the
   target, its `eval` settings), the same target and prompts for all, `--jobs` drafters at a time;
 - the scale regime (bench/scale_data.py's data set: `--results .cache/scale/results --config
   .cache/scale/config.yaml`, whose target is the demo's by path): `--rows N` trains on the fewest
@@ -70,7 +70,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.io import write_json
+from dflash.core.io import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 DROPPED = ("embed_tokens.", "lm_head.", "verifier_lm_head.", "verifier_norm.", "t2d", "d2t")
@@ -84,10 +84,10 @@ def speculators_data(tokenized: list[Path], target_dir: Path, hidden: list[Path]
     from safetensors.torch import load_file, save_file
     from transformers import Qwen3Config
 
-    from dflash.drafter import TargetIO
-    from dflash.hidden import cached_features, forward_features
-    from dflash.models import load_target
-    from dflash.batches import anchor_candidates
+    from dflash.train.drafter import TargetIO
+    from dflash.hidden.stage import cached_features, forward_features
+    from dflash.target.models import load_target
+    from dflash.train.batches import anchor_candidates
 
     config = Qwen3Config.from_pretrained(drafter_dir)
     config.save_pretrained(out)
@@ -127,7 +127,7 @@ def convert(spec_out: Path, config_dir: Path, drafter_dir: Path) -> tuple[float,
     from safetensors.torch import load_file
     from transformers import Qwen3Config
 
-    from dflash.drafter import (
+    from dflash.train.drafter import (
         DFlashDraftModel,
         TargetIO,
         load_drafter,
@@ -160,7 +160,7 @@ OURS = {f"ours ({weights}, {labels})": {"loss": {"weights": weights, "labels": l
 
 def start_ours(tokenized: list[Path], hidden: list[Path], target_dir: Path, out: Path, cfg: dict) -> subprocess.Popen:
     code = ("import json, sys, time, torch; torch.set_num_threads(1); from pathlib import Path; "
-            "from dflash.train import train; t0 = time.perf_counter(); "
+            "from dflash.train.stage import train; t0 = time.perf_counter(); "
             f"train([Path(p) for p in {list(map(str, tokenized))!r}], [Path(p) for p in {list(map(str, hidden))!r}], "
             f"Path({str(target_dir)!r}), Path({str(out)!r}), json.loads({json.dumps(cfg)!r})); "
             "print(json.dumps({'seconds': time.perf_counter() - t0}))")
@@ -206,8 +206,8 @@ def evaluate_one(target_dir: Path, drafter: Path, heldout: Path, eval_cfg: dict)
     torch.set_num_threads(1)
     from transformers import AutoTokenizer
 
-    from dflash.eval import evaluate
-    from dflash.io import read_jsonl
+    from dflash.eval.stage import evaluate
+    from dflash.core.io import read_jsonl
 
     return evaluate(target_dir, drafter, read_jsonl(heldout), eval_cfg, AutoTokenizer.from_pretrained(target_dir))
 
@@ -284,9 +284,9 @@ def main() -> None:
     if not a.speculators_python.exists():
         print(f"{a.speculators_python} not found (make speculators-venv): speculators is left out, only our trainer "
               f"runs", file=sys.stderr)
-    from dflash.config import load_config
-    from dflash.eval import settings
-    from dflash.train import drafter_train_cfg
+    from dflash.core.config import load_config
+    from dflash.eval.stage import settings
+    from dflash.train.stage import drafter_train_cfg
 
     config = load_config(a.config)
     # a run that names its target by path (bench/scale_data.py's: the demo's) has none in its results

@@ -1,7 +1,7 @@
 """Drafter training with its input pipeline: batches prefetched by a background thread
 (``train.prefetch``) against built in the loop (``prefetch: 0``).
 
-Each side is a real ``dflash.train.train`` run on the same data, in this process, one after the
+Each side is a real ``dflash.train.stage.train`` run on the same data, in this process, one after the
 other, the order alternating between rounds; a step's time includes drawing the rows and
 anchors, reading their hidden states from the cache files, laying out the batch, and the
 forward, backward and AdamW step. The first ``--log-every`` steps of each run (warm-up) and the
@@ -52,8 +52,8 @@ def make_data(work: Path, rows: int, shards: int, min_len: int,
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
-    from dflash.hidden_cache import HIDDEN_FORMAT
-    from dflash.io import atomic_path
+    from dflash.core.shapes import HIDDEN_FORMAT
+    from dflash.core.io import atomic_path
 
     torch.manual_seed(0)
     config = Qwen3_5TextConfig(
@@ -108,7 +108,7 @@ class LogTimes(logging.Handler):
 
 
 def step_seconds(target: Path, tokenized, hidden, out: Path, cfg: dict) -> float:
-    from dflash.train import train
+    from dflash.train.stage import train
 
     log = logging.getLogger(f"bench.train_input.{out.name}")
     log.propagate, log.level = False, logging.INFO
@@ -123,8 +123,8 @@ def build_seconds(target: Path, tokenized, hidden, cfg: dict, steps: int) -> flo
     """Building the batches alone (draws, cache reads, layout), as the loop does without prefetch."""
     import torch
 
-    from dflash.batches import RowOrder, ShardData, make_batch, sample_anchors
-    from dflash.train import resolve_cfg
+    from dflash.train.batches import RowOrder, ShardData, make_batch, sample_anchors
+    from dflash.train.stage import resolve_cfg
 
     cfg = resolve_cfg(cfg)
     generator = torch.Generator().manual_seed(0)

@@ -25,7 +25,7 @@ first; the figure is the median of the per-round ratios.
 What one step is:
 - ours: anchors sampled per row (two consecutive supervised tokens), blocks laid out, drafter
   forward over the blocks with the cached target features, CE on block positions 1..7 weighted
-  exp(-(k-1)/7) against the next tokens, backward, clip, AdamW (dflash.train's loop body,
+  exp(-(k-1)/7) against the next tokens, backward, clip, AdamW (dflash.train.stage's loop body,
   batch assembly included);
 - speculators: DFlashDraftModel.forward on the packed batch (its CollateFn layout, sdpa
   attention), CE against the argmax of its verifier head, backward, clip, AdamW (its
@@ -89,10 +89,10 @@ def ours(rows_per_step: int) -> None:
     import torch
     from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
-    from dflash.batches import Row, make_batch, sample_anchors
-    from dflash.drafter import DFlashDraftModel, TargetIO, make_draft_config
-    from dflash.optim import make_optimizer
-    from dflash.train import draft_loss, trainer_defaults
+    from dflash.train.batches import Row, make_batch, sample_anchors
+    from dflash.train.drafter import DFlashDraftModel, TargetIO, make_draft_config
+    from dflash.train.optim import make_optimizer
+    from dflash.train.stage import draft_loss, trainer_defaults
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

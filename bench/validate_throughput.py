@@ -9,7 +9,7 @@ trivial answers, token ids as the generate stage writes them. Per shard, side by
               regex (validate leaves them unparsed too: no check reads them), ``json.loads``;
 - read floor, whole lines: zstd decompress + ``json.loads`` of every line (what the first version
               of this bench compared with: it parses the arrays validate skips, and flattered us);
-- validate:   ``dflash.validate.validate_job``, the stage's job with the demo target (its special
+- validate:   ``dflash.validate.stage.validate_for_target``, the stage's job with the demo target (its special
               tokens, its XML call format) (every check, validated/rejected shards and the
               QA JSON written).
 
@@ -37,9 +37,9 @@ from pathlib import Path
 
 import zstandard
 
-from dflash.config import load_config
-from dflash.io import write_jsonl_zst
-from dflash.validate import validate_job
+from dflash.core.config import load_config
+from dflash.core.io import write_jsonl_zst
+from dflash.validate.stage import validate_for_target
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "data/demo/target"  # its special tokens (control_token_text) and call format (tool_format: target)
@@ -164,10 +164,10 @@ def read_floor(path: Path, cut: bool) -> tuple[int, int]:
 
 def peak_rss_mb(shards: list[Path], cfg_path: Path) -> float:
     """Peak RSS of a child that validates ``shards``."""
-    code = ("import sys, resource, json; from pathlib import Path; from dflash.validate import validate_job\n"
+    code = ("import sys, resource, json; from pathlib import Path; from dflash.validate.stage import validate_for_target\n"
             "cfg, target = json.loads(sys.argv[1]), sys.argv[2]; out = Path(sys.argv[3])\n"
             "for p in sys.argv[4:]:\n"
-            "    validate_job(p, out / 'v.zst', out / 'r.zst', out / 'q.json', cfg, None, target)\n"
+            "    validate_for_target(p, out / 'v.zst', out / 'r.zst', out / 'q.json', cfg, None, target)\n"
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
     with tempfile.TemporaryDirectory() as out:
         run = subprocess.run([sys.executable, "-c", code, cfg_path.read_text(), str(TARGET), out,
@@ -201,7 +201,7 @@ def main() -> None:
                 for what in order:
                     t = time.perf_counter()
                     if what == "validate":
-                        qa = validate_job(path, out / "v.jsonl.zst", out / "r.jsonl.zst", out / "qa.json", cfg,
+                        qa = validate_for_target(path, out / "v.jsonl.zst", out / "r.jsonl.zst", out / "qa.json", cfg,
                                           None, TARGET)
                     else:
                         n, b = read_floor(path, cut=what == "cut")

@@ -6,235 +6,126 @@ validated config file, so one shard can be run or debugged by hand.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 from pathlib import Path
 
-from dflash.config import ConfigError, defaults, load_config
-from dflash.dialects import LOGGING_SERVERS
-from dflash.errors import debug_requested, describe
-from dflash.io import read_json
-from dflash.vocabulary import CATEGORIES, TOOL_CATEGORY, terminal_safe
-from dflash.workflow import demo_target_sources, exit_on_sigterm, set_threads, setup_logging
+from dflash.core.config import ConfigError, load_config
+from dflash.core.dialects import LOGGING_SERVERS
+from dflash.core.errors import debug_requested, describe
+from dflash.core.storage import safe_to_destroy_job
+from dflash.core.vocabulary import CATEGORIES, TOOL_CATEGORY
+from dflash.core.workflow import exit_on_sigterm, set_threads, setup_logging, target_dir
+from dflash.generate.adopt import adopt_command
+from dflash.inspect.check import check_tools_command
+from dflash.inspect.files import inspect_command
+from dflash.plan.stage import cache_size_command, plan_command
+from dflash.prompts.stage import prompts_job
+from dflash.report.stage import check_run_command, report_job
+from dflash.serve.commands import serve_command_command
+from dflash.validate.stage import read_exclusions, validate_job
 
 
-def _prompts(cfg, a):
-    from dflash.prompt_checks import heldout_settings, prompt_check_settings, prompt_checks
-    from dflash.prompts import build_prompts
-    from dflash.workflow import target_dir
-
+def _prompts_target(cfg: dict, a: argparse.Namespace) -> str:
+    """The target folder whose tokenizer and template screen the prompts (``--target``, else the
+    config's), which must exist."""
     target = a.target or target_dir(cfg)
     if not Path(target).is_dir():
         fix = ("give the target model's folder" if a.target else f"fix target.path in {a.config}, or give --target"
                if cfg["target"]["path"] else f"build the demo target first (snakemake {target}), or give --target")
         raise FileNotFoundError(f"{target}: no such model folder (its tokenizer and template screen the prompts): "
                                 f"{fix}")
-    build_prompts(cfg["prompts"]["sources"], a.out, cfg["prompts"]["shard_size"],
-                  prompt_checks(target, prompt_check_settings(cfg)), cfg["prompts"]["max_line_bytes"],
-                  cfg["prompts"]["max_dropped_share"], heldout_settings(cfg))
+    return target
+
+
+# Each subcommand is one call of its stage's job, as the rule's script makes it, or of a command's
+# function. The stages that import torch are imported when run: a command that needs none (plan,
+# check, inspect, --help) starts in a fraction of a second.
+def _prompts(cfg, a):
+    prompts_job(cfg, _prompts_target(cfg, a), a.out)
 
 
 def _target(cfg, a):
-    from dflash.target import build_target
+    from dflash.target.stage import target_job  # torch
 
-    build = {**cfg["target"]["build"], **({"prebuilt": None} if a.teach else {})}
-    build_target(demo_target_sources(cfg), a.out, build, made_by=" ".join(["dflash", *sys.argv[1:]]))
+    target_job(cfg, a.out, teach=a.teach, made_by=" ".join(["dflash", *sys.argv[1:]]))
 
 
 def _generate(cfg, a):
-    from dflash.generate import generate_job
+    from dflash.generate.stage import generate_job  # torch
 
     generate_job(cfg, a.prompts, a.out, a.target, a.summary)
 
 
 def _validate(cfg, a):
-    from dflash.validate import read_exclusions, validate_job
-    from dflash.workflow import target_dir
-
-    excluded = read_exclusions(a.exclude if a.exclude is not None else cfg["validate"]["exclude"])
-    validate_job(a.completions, a.validated, a.rejected, a.qa, cfg["validate"], excluded, a.target or target_dir(cfg))
+    validate_job(cfg, a.completions, a.target or target_dir(cfg), a.validated, a.rejected, a.qa,
+                 read_exclusions(a.exclude if a.exclude is not None else cfg["validate"]["exclude"]))
 
 
 def _tokenize(cfg, a):
-    from transformers import AutoTokenizer
+    from dflash.tokenize.stage import tokenize_job  # torch
 
-    from dflash.tokenize import tokenize_shard
-
-    tokenize_shard(a.validated, a.out, a.index, AutoTokenizer.from_pretrained(a.target), cfg["tokenize"])
+    tokenize_job(cfg, a.validated, a.target, a.out, a.index)
 
 
 def _hidden(cfg, a):
-    from dflash.hidden import capture_shard
-    from dflash.hidden_cache import layer_selection
+    from dflash.hidden.stage import hidden_job  # torch
 
-    capture_shard(a.tokenized, a.out, a.target, layer_selection(cfg["drafter"]), cfg["hidden"]["dtype"],
-                  fast_kernels=cfg["target"]["fast_kernels"])
+    hidden_job(cfg, a.tokenized, a.target, a.out)
 
 
 def _train(cfg, a):
-    from dflash.curves import curve_spec
-    from dflash.train import drafter_train_cfg, train
+    from dflash.train.stage import train_job  # torch
 
-    train(a.tokenized, a.hidden or None, a.target, a.out,
-          {**drafter_train_cfg(cfg, a.target), "fast_kernels": cfg["target"]["fast_kernels"]},
-          curves_spec=curve_spec(cfg, cfg["run"], "train"))
+    train_job(cfg, a.tokenized, a.hidden or [], a.target, a.out, cfg["run"])
 
 
 def _eval(cfg, a):
-    from dflash.curves import log_eval
-    from dflash.eval import run_eval
+    from dflash.eval.stage import run_eval_job  # torch
 
-    result = run_eval(a.checkpoint, a.target, a.heldout, a.out,
-                      {**cfg["eval"], "fast_kernels": cfg["target"]["fast_kernels"]})
-    log_eval(cfg, cfg["run"], result)
+    run_eval_job(cfg, a.checkpoint, a.target, a.heldout, a.out)
 
 
 def _report(cfg, a):
-    from dflash.report import provenance, write_report
-
-    write_report(cfg, a.manifest, a.qa, a.gates, a.checkpoint, a.eval, a.html, a.json,
-                 about=provenance(cfg, Path(__file__).resolve().parents[1]))
+    report_job(cfg, a.manifest, a.qa, a.gates, a.checkpoint, a.eval, a.html, a.json)
 
 
 def _inspect(a) -> int:
-    from dflash.inspect import check_filters, inspect, shards_of
-
-    check_filters(category=a.category, reason=a.reason, flag=a.flag)
-    tokenizer = None
-    if a.target:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(a.target)
-    shown = matched = 0
-    ids_seen: set[str] = set()
-    for path in [shard for given in a.shards for shard in shards_of(given)]:
-        # past the limit a shard is still read, to count what matches
-        more, found = inspect(path, a.category, a.reason, a.flag, a.id, a.limit - shown if a.limit else None,
-                              a.json, a.full, tokenizer, ids_seen=ids_seen)
-        shown, matched = shown + more, matched + found
-    if absent := [i for i in a.id if i not in ids_seen]:
-        where = (f"the shards given ({', '.join(a.shards)})" if len(a.shards) <= 3
-                 else f"the {len(a.shards)} shards given")
-        raise ValueError(f"--id {', '.join(absent)}: in none of {where}; check the id, and that these are shards of "
-                         f"the stage that holds it")
-    if not a.json:
-        print(f"{shown} of {matched} shown"
-              + (f" (--limit {a.limit}; --limit 0 shows all)" if shown < matched else ""), file=sys.stderr)
+    inspect_command(a.shards, a.category, a.reason, a.flag, a.id, a.limit, a.json, a.full, a.target)
     return 0
 
 
 def _adopt(a) -> int:
-    from transformers import AutoTokenizer
-
-    from dflash.adopt import adopt_files
-
-    options = {"server": a.server, "tool_format": a.tool_format, "enable_thinking": not a.no_thinking,
-               **({"category": a.category} if a.category else {})}
-    counts = adopt_files(a.logs, a.out, AutoTokenizer.from_pretrained(a.target), options)
-    print(f"{a.out}: {counts.get('records', 0)} completion records; "
-          + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k != "records"), file=sys.stderr)
+    adopt_command(a.logs, a.target, a.out, {"server": a.server, "tool_format": a.tool_format,
+                                            "enable_thinking": not a.no_thinking,
+                                            **({"category": a.category} if a.category else {})})
     return 0
 
 
 def _check_tools(a) -> int:
-    from dflash.check import check_tools, render
-    from dflash.inspect import check_filters
-
-    check_filters(category=[a.category])
-    gates = load_config(a.config)["gates"] if a.config else defaults("gates")
-    result = check_tools(a.output_dir, gates, a.category, a.examples)
-    print(terminal_safe(json.dumps(result, indent=1, ensure_ascii=False), json_escapes=True) if a.json
-          else render(result))
-    return 3 if result["verdict"] == "not usable" else 0
+    return check_tools_command(a.output_dir, a.category, a.config, a.examples, a.json)
 
 
 def _check_run(a) -> int:
-    from dflash.headline import headline_lines
-    from dflash.storage import local_copy
-
-    summary, page = (f"{str(a.output_dir).rstrip('/')}/report/{name}" for name in ("summary.json", "summary.html"))
-    try:
-        with local_copy(summary) as local:
-            found = read_json(local)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{summary}: no report yet: the run has not finished (snakemake writes it last), or "
-                                f"{a.output_dir} is not a run's output_dir") from None
-    print(terminal_safe("\n".join(headline_lines(found, page))))
+    check_run_command(a.output_dir)
     return 0
 
 
 def _cache_size(cfg, a):
-    from dflash.hidden_cache import cache_plan
-    from dflash.units import human_bytes
-    from dflash.workflow import target_dir
-
-    if a.tokens is None and not a.tokenized:
-        raise ValueError("give --tokens N (planned) or --tokenized results/tokenized/shard-*.json (measured)")
-    tokens = int(a.tokens) if a.tokens is not None else sum(read_json(p)["stats"]["tokens"] for p in a.tokenized)
-    plan = cache_plan(cfg, a.target or target_dir(cfg), tokens)
-    limit = cfg["hidden"]["max_cache_bytes"]
-    print(f"hidden-state cache: {plan['text']} ({plan['bytes']} bytes, dtype {plan['dtype']})")
-    if cfg["train"]["hidden_states"] == "online":
-        print("train.hidden_states is online: no cache is written")
-    elif limit is not None and plan["bytes"] > limit:
-        print(f"above hidden.max_cache_bytes ({human_bytes(limit)}): the gate will stop the run; "
-              "set train.hidden_states: online, or hidden.dtype: float8_e4m3fn")
-    else:
-        print(f"within hidden.max_cache_bytes ({human_bytes(limit) if limit is not None else 'no limit'})")
+    cache_size_command(cfg, a.tokens, a.tokenized, a.target)
 
 
 def _plan(cfg, a):
-    from dflash.io import write_json
-    from dflash.plan import forecast, plan_lines, prompt_counts
-    from dflash.run_stamp import foreign_run
-    from dflash.workflow import target_dir
-
-    if a.mean_output_tokens is not None:
-        if a.output_tokens is not None:
-            raise ValueError("give --output-tokens (the total) or --mean-output-tokens (per prompt), not both")
-        cfg["plan"]["mean_output_tokens"] = float(a.mean_output_tokens)
-    out = Path(cfg["output_dir"])
-    # another run's prompts manifest and pilot (the demo's, in the same results/) would price this one
-    foreign = foreign_run(out, cfg, str(a.config))
-    if a.prompts is not None:
-        counts = {"prompts": int(a.prompts), "categories": {"given": int(a.prompts)},
-                  "shards": -(-int(a.prompts) // cfg["prompts"]["shard_size"]), "from": "--prompts",
-                  "heldout": None if a.heldout is None else int(a.heldout)}
-    else:
-        counts = prompt_counts(cfg, outputs=not foreign)
-    pilot = a.pilot or (None if foreign else out / "pilot" / "summary.json")
-    measured = read_json(pilot) if pilot and pilot.exists() else None
-    given = a.output_tokens is not None or a.mean_output_tokens is not None  # the user's figure beats the pilot's
-    plan = forecast(cfg, counts, None if given else measured, a.output_tokens,
-                    a.target or target_dir(cfg), (measured or {}).get("train_burst"))
-    plan["foreign_outputs"] = foreign
-    print("\n".join(plan_lines(plan)))
-    if a.json:
-        write_json(a.json, plan)
+    plan_command(cfg, a.config, a.prompts, a.heldout, a.output_tokens, a.mean_output_tokens, a.pilot, a.target, a.json)
 
 
 def _safe_to_destroy(cfg, a):
-    from dflash.storage import destroy_verdict, safe_to_destroy
-
-    found = safe_to_destroy(a.workdir, cfg["output_dir"], a.prefix)
-    lines, verdict = destroy_verdict(found, str(a.workdir.resolve() / cfg["output_dir"]))
-    print("\n".join(lines + ([verdict] if found["safe"] else [])))
-    if not found["safe"]:
-        raise SystemExit(verdict)
+    safe_to_destroy_job(cfg, a.workdir, a.prefix)
 
 
 def _serve_command(cfg, a):
-    from dflash.serving import run_serve_commands
-
-    commands = run_serve_commands(cfg, a.checkpoint, a.target and str(a.target))
-    print(f"# vLLM\n{commands['vllm']}")
-    if commands["vllm_cpu"]:
-        print(f"# vLLM's CPU build\n{commands['vllm_cpu']}")
-    print(f"# SGLang (GPU)\n{commands['sglang']}")
-    for note in commands["notes"]:
-        print(f"# note: {note}")
+    serve_command_command(cfg, a.checkpoint, a.target and str(a.target))
 
 
 # What each command reads and writes: an output that is also an input, or another output

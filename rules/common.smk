@@ -1,15 +1,33 @@
-# The functions of the workflow: the config checks' way out, where inputs and outputs live, the
-# prompts checkpoint's shards (known once it ran). Included first: the Snakefile's checks use them.
+# The run's set-up from the config, then the workflow's functions. The set-up reads and checks
+# the config (ours first, naming file and key), checks the target, the output folder and the
+# storage, and defines what the rules read (OUT, TARGET, LAUNCH, ...); the functions that follow
+# use those: where inputs and outputs live, the prompts checkpoint's shards (known once it ran).
 import functools
+import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
-from dflash.config import ConfigError
-from dflash.errors import debug_requested
-from dflash.storage import check_s3_prefix, fetch_from_storage, stored_root
-from dflash.validate import exclusion_file_problem, exclusions_by_shard, read_exclusions
+from snakemake.utils import validate
+
+from dflash.core.config import (ConfigError, check_config, demo_sized_problem, read_config_yaml, read_yaml,
+                                schema_path)
+from dflash.core.dialects import DIALECTS
+from dflash.core.errors import debug_requested
+from dflash.core.io import read_json
+from dflash.core.run_stamp import foreign_run, stamp_run
+from dflash.core.shapes import drafter_target_problems, layer_selection, text_config
+from dflash.core.storage import check_s3_prefix, fetch_from_storage, stored_root
+from dflash.core.workflow import demo_target_sources, shard_ids, target_dir
+from dflash.eval.acceptance import DECODINGS
+from dflash.generate.resume import record_settings
+from dflash.core.shapes import HIDDEN_FORMAT
+from dflash.plan.pilot import pilot_gpus, toggle_problem
+from dflash.prompts.checks import heldout_settings, prompt_check_settings
+from dflash.report.headline import headline_lines
+from dflash.validate.stage import exclusion_file_problem, exclusions_by_shard, read_exclusions, validate_settings
 
 
 def stop(problem):
@@ -21,6 +39,14 @@ def stop(problem):
     sys.exit(1)
 
 
+def check_storage(write):
+    """One line before any job, instead of a traceback from the first existence check, or an
+    upload that fails after a paid-for job."""
+    problem = check_s3_prefix(STORAGE_PREFIX, workflow.storage_registry.default_storage_provider.s3c, write)
+    if problem:
+        stop(problem)
+
+
 def external(path):
     """A file from outside the pipeline (a prompt source, a model folder): read where it is, never
     looked up in the default storage that holds the outputs. With outputs in a storage its time
@@ -29,21 +55,145 @@ def external(path):
     return ancient(local(path)) if STORED else local(path)
 
 
+# The demo's config.yaml is read only when no --configfile is given: a real run's file is its whole
+# config (the schema's defaults fill the rest), so the tiny demo's sizes never flow into it. Each
+# file is read by us first: Snakemake's reader names neither file nor line of a YAML error and
+# keeps the last of a key given twice. (A --configfile is read by Snakemake before any of this
+# runs: its YAML errors stay Snakemake's message; `dflash plan --config FILE` names file and line.
+# So are a YAML template's expressions: a --configfile with __use_yte__ has already run them here,
+# and its run stops before any job.)
+DEMO_CONFIG = "config.yaml"
+try:
+    for path in workflow.overwrite_configfiles or ([DEMO_CONFIG] if os.path.exists(DEMO_CONFIG) else []):
+        read_config_yaml(path)
+except ConfigError as e:
+    stop(str(e))
+if not workflow.overwrite_configfiles:
+
+    configfile: DEMO_CONFIG
+
+
+# Our check first: it names the file and the misspelt key, and fills the defaults. Snakemake's
+# validate then sees a config that already passed; its filler would trip over an object that may
+# be null (generate.server.launch), and has nothing left to fill.
+CONFIG_SOURCE = ", ".join(map(str, workflow.configfiles)) or "config"
+try:
+    check_config(config, source=CONFIG_SOURCE)
+except ConfigError as e:
+    stop(str(e))
+validate(config, str(schema_path()), set_default=False)
+if workflow.overwrite_configfiles:
+    # ... and a copy of the shipped demo file pointed at a real model is refused by name
+    problem = demo_sized_problem(config, read_yaml(os.path.join(workflow.basedir, DEMO_CONFIG)),
+                                 CONFIG_SOURCE, DEMO_CONFIG)
+    if problem:
+        stop(problem)
+
+OUT = config["output_dir"]
+RUN = config["run"]
+TARGET = target_dir(config)
+STORED = bool(workflow.storage_settings.default_storage_provider)  # outputs in S3 (--default-storage-provider)
+# the drafter's fit to the target, wherever its config.json is here (a model folder, the demo's
+# once built; else the target job says it): before the first generate job, not after the last
+try:
+    TARGET_TEXT = text_config(TARGET) if os.path.isfile(f"{TARGET}/config.json") else {}
+except ValueError:  # a damaged config.json: the first job that loads the target names it
+    TARGET_TEXT = {}
+if problems := drafter_target_problems(config["drafter"], TARGET_TEXT):
+    stop("\n".join(f"{CONFIG_SOURCE}: at {key}: {problem} ({TARGET}/config.json)" for key, problem in problems))
+TARGET_INPUT = external(TARGET) if config["target"]["path"] else TARGET
+if config["target"]["path"] and not os.path.isdir(TARGET):  # else Snakemake's MissingInputException, a traceback
+    stop(f"{CONFIG_SOURCE}: at target.path: {TARGET}: no such model folder on this machine: download the model "
+         f"there (the jobs read its weights); to plan (snakemake -n, dflash plan), a folder with its config.json and "
+         f"tokenizer files is enough")
+# another config's outputs in this output_dir: a run built on them, or a plan priced from them, would be wrong
+if not STORED and (problem := foreign_run(OUT, config, CONFIG_SOURCE)):
+    stop(f"{CONFIG_SOURCE}: at output_dir: {problem}")
+for exclusions in config["validate"]["exclude"]:
+    if not os.path.isfile(exclusions):
+        stop(f"{CONFIG_SOURCE}: at {exclusion_file_problem(exclusions)}")
+S3 = STORED and workflow.storage_settings.default_storage_provider == "s3"
+STORAGE_PREFIX = workflow.storage_settings.default_storage_prefix if STORED else None
+if S3:
+    try:  # before any key is listed: a '..' in output_dir would name another run's keys
+        stored_root(STORAGE_PREFIX, OUT)
+    except ValueError as e:
+        stop(f"{CONFIG_SOURCE}: at {e}")
+    check_storage(write=False)  # a dry run only lists: read-only keys may plan
+
+STARTED = time.time()
+
+
+onstart:
+    if S3:
+        check_storage(write=True)
+    if not STORED:
+        settle_backups()
+        stamp_run(OUT, config, CONFIG_SOURCE)
+
+
+onsuccess:
+    # The run's answer on the console, when this run wrote the report (a run of one shard did not).
+    summary = f"{OUT}/report/summary.json"
+    if os.path.exists(summary) and os.path.getmtime(summary) >= STARTED:
+        print("\n".join(headline_lines(read_json(summary), f"{OUT}/report/summary.html")), file=sys.stderr)
+
+ONLINE = config["train"]["hidden_states"] == "online"
+PILOT = config["pilot"]["enabled"]
+BURST = PILOT and config["pilot"]["train_steps"] > 0  # the pilot's training burst (rules/pilot.smk)
+if not STORED and (problem := toggle_problem(OUT, PILOT)):  # every shard would be generated again
+    stop(problem)
+PLANNED = PILOT or bool(config["plan"]["mean_output_tokens"])  # something to forecast output tokens from
+LAUNCH = config["generate"]["server"]["launch"]  # null: no serve jobs, the server is the user's
+# the serve rule's launcher reads it: never on a command line (ps). Set, not read: no envvars directive
+os.environ.update(DFLASH_LAUNCH=json.dumps(LAUNCH))
+# Snakemake would quietly cut a job's claim to the machine's GPUs (--resources gpu=N, counted by
+# profiles/local) and run it on fewer than it starts processes for.
+GPUS = workflow.global_resources.get("gpu").value
+if GPUS is not None:
+    for key, claim in [("train.gpus", config["train"]["gpus"])] + ([("generate.server.launch.gpus", LAUNCH["gpus"])]
+                                                                     if LAUNCH else []):
+        if claim > GPUS:
+            stop(f"{key} is {claim}, but this run offers {GPUS} GPU(s) (--resources gpu, which profiles/local "
+                 f"sets to the machine's count): lower {key} or run on a bigger node")
+    if config["train"]["nodes"] > 1:
+        stop(f"train.nodes is {config['train']['nodes']}, but profiles/local runs on this machine alone: set "
+             f"train.nodes: 1, or run under a SLURM profile (profiles/slurm-*), which requests the nodes")
+LOGS = f"{OUT}/logs"
+BENCH = f"{OUT}/benchmarks"
+
+
+# Light jobs that read a few small files, and the check of this machine's files: on a cluster they
+# run where snakemake runs, not as sbatch jobs.
+localrules:
+    all,
+    qa_summary,
+    gate,
+    qa_report,
+    report,
+    safe_to_destroy,
+    pilot,
+    plan,
+    eval,
+
+
+wildcard_constraints:
+    shard=r"\d{5}",
+    server=r"\d+|pilot",
+    run=r"[A-Za-z0-9_-][A-Za-z0-9._-]*",
+
+
+
+
+
 def replaced_folder(path):
     """A folder output its job replaces as a whole, only once the new one is complete
-    (dflash.io.atomic_dir): Snakemake must not delete the old one before the job runs, or a job
+    (dflash.core.io.atomic_dir): Snakemake must not delete the old one before the job runs, or a job
     that fails (a bad new source, a crash) would cost the finished prompts, target or drafter it
     had (Snakemake restores the old one when the job fails). Not with a default storage: there
     Snakemake's backup would need a local copy a fresh node does not have."""
     return directory(path) if STORED else update(directory(path))
 
-
-def check_storage(write):
-    """One line before any job, instead of a traceback from the first existence check, or an
-    upload that fails after a paid-for job."""
-    problem = check_s3_prefix(STORAGE_PREFIX, workflow.storage_registry.default_storage_provider.s3c, write)
-    if problem:
-        stop(problem)
 
 
 def settle_backups():

@@ -30,10 +30,10 @@ rule serve:
         # the launched server's: envs/sglang.yaml, envs/vllm.yaml, or for a plain OpenAI-compatible
         # server the pipeline's own (transformers serve needs its serving extra there)
         f"../envs/{DIALECTS[config['generate']['server']['dialect']].env}"
-    # generate.server.launch comes as $DFLASH_LAUNCH (the Snakefile sets it): on the command line its
+    # generate.server.launch comes as $DFLASH_LAUNCH (rules/common.smk sets it): on the command line its
     # env (HF_TOKEN) would show in ps to every user of the node, in printshellcmds and in .snakemake/metadata.
     shell:
-        "exec {params.python:q} -m dflash.server --service {output:q} --model {input.target:q}"
+        "exec {params.python:q} -m dflash.generate.server --service {output:q} --model {input.target:q}"
         " --served-model-name {params.served_model_name:q} --index {params.index}"
         " --log {log.launcher:q} --server-log {log.server:q}"
 

@@ -7,7 +7,7 @@ rule pilot_prompts:
     The pilot section is read by the script, not a param: resizing a pilot that ran re-runs
     nothing (every generate job takes the pilot's records); --forcerun pilot_prompts makes it
     again, and every generate job after it. Turning it off or on once generate jobs finished is
-    refused before the plan (dflash.pilot.toggle_problem)."""
+    refused before the plan (dflash.plan.pilot.toggle_problem)."""
     input:
         f"{OUT}/prompts",
     output:
@@ -66,7 +66,7 @@ use rule validate as pilot_validate with:
         rejected=f"{OUT}/pilot/rejected.jsonl.zst",
         qa=f"{OUT}/pilot/qa.json",
     params:
-        validate={k: v for k, v in config["validate"].items() if k != "exclude"},
+        validate=validate_settings(config),
         # none: the pilot measures what the model writes; hand-made exclusions come later, and adding
         # ids re-runs only the validate jobs of the shards holding them
         excluded={},
@@ -147,7 +147,7 @@ rule pilot:
     params:
         gates=config["gates"],
         # the GPUs behind the measured rate: a started server's, the in-process model's one
-        gpus=LAUNCH["gpus"] if LAUNCH else (1 if config["generate"]["backend"] == "transformers" else None),
+        gpus=pilot_gpus(config),
     log:
         f"{LOGS}/pilot/summary.log",
     conda:

@@ -11,7 +11,7 @@ rule validate:
         rejected=f"{OUT}/rejected/shard-{{shard}}.jsonl.zst",
         qa=f"{OUT}/qa/shard-{{shard}}.json",
     params:
-        validate={k: v for k, v in config["validate"].items() if k != "exclude"},
+        validate=validate_settings(config),
         excluded=excluded_in_shard,
     log:
         f"{LOGS}/validate/{{shard}}.log",

@@ -1,8 +1,8 @@
-from dflash.workflow import start_job
+from dflash.core.workflow import start_job
 
 start_job(snakemake)
 
-from dflash.generate import generate_job  # noqa: E402
+from dflash.generate.stage import generate_job  # noqa: E402
 
 i, out = snakemake.input, snakemake.output
 # no pilot input: this is the pilot's own job; a server input: this group's serve job starts it

@@ -12,9 +12,9 @@ import pytest
 import torch
 import yaml
 
-from dflash.config import load_config
-from dflash.server import ServerProcess, free_port
-from dflash.validate import CHECKS
+from dflash.core.config import load_config
+from dflash.generate.server import ServerProcess, free_port
+from dflash.validate.stage import CHECKS
 from tests.helpers import vllm_cpu_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def taught_target(tmp_path_factory, name: str, demo_sources: list[dict], cfg: di
     import fcntl
     import shutil
 
-    from dflash.target import build_target, prebuilt_problem, teaching_digests
+    from dflash.target.stage import build_target, prebuilt_problem, teaching_digests
 
     sources = [Path(s["path"]) for s in demo_sources]
     cached = ROOT / ".cache" / "test-targets" / name
@@ -82,7 +82,7 @@ def taught_target(tmp_path_factory, name: str, demo_sources: list[dict], cfg: di
 
 @pytest.fixture(scope="session")
 def target(target_dir):
-    from dflash.models import load_target
+    from dflash.target.models import load_target
 
     return load_target(target_dir)
 

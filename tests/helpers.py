@@ -9,9 +9,9 @@ from pathlib import Path
 from jsonschema import Draft202012Validator
 from transformers import Qwen3Config
 
-from dflash.drafter import DFlashDraftModel, write_drafter
-from dflash.io import atomic_dir
-from dflash.records import schema
+from dflash.train.drafter import DFlashDraftModel, write_drafter
+from dflash.core.io import atomic_dir
+from dflash.core.records import schema
 
 
 @cache

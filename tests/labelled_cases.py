@@ -8,7 +8,7 @@ the answer, tool calls in its XML format; Hermes JSON for a Qwen3 model; tools i
 never a check's code. ``cases()`` is deterministic (seeded); ``verdicts`` judges them as the
 validate stage does and ``scores`` sums them up. Used by tests/test_labelled.py and
 bench/validation_quality.py; it imports only what older code has too (``make_completion``,
-``validate_job``, the config's defaults), so the bench measures code before a change as well.
+``validate_for_target``, the config's defaults), so the bench measures code before a change as well.
 
 A case is (shape, label, expected codes, record): label "bad" (rejected with any one of the codes
 counts as caught) or "good" (expected codes empty). Ids are ``<shape>-<n>-bad`` / ``<shape>-<n>-good``:
@@ -23,10 +23,10 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from dflash.config import defaults
-from dflash.io import iter_jsonl, write_jsonl_zst
-from dflash.records import make_completion
-import dflash.validate as stage
+from dflash.core.config import defaults
+from dflash.core.io import iter_jsonl, write_jsonl_zst
+from dflash.core.records import make_completion
+import dflash.validate.stage as stage
 
 DEMO_TARGET = Path(__file__).resolve().parents[1] / "data" / "demo" / "target"
 
@@ -1138,7 +1138,7 @@ def cases(seed: int = 43) -> list[tuple[str, str, tuple[str, ...], dict]]:
 
 
 def verdicts(all_cases: list, cfg: dict | None = None) -> dict[str, tuple[list[str], list[str]]]:
-    """(reasons, flags) per record id, judged by the validate stage itself (``validate_job``) under
+    """(reasons, flags) per record id, judged by the validate stage itself (``validate_for_target``) under
     ``cfg``: by default the running code's schema defaults, so codes it does not know are simply
     absent. Each case is a shard of its own, but the twins of ``duplicate_completion``, which share
     one (the original first): a check may look at earlier records of the shard, and one case must
@@ -1159,8 +1159,9 @@ def verdicts(all_cases: list, cfg: dict | None = None) -> dict[str, tuple[list[s
             # gives the special tokens too. Older code has no target to read.
             shard_cfg = {**cfg, "tool_format": "json"} if records[0]["generation"]["model"] == QWEN3 else cfg
             try:
-                if hasattr(stage, "validate_job"):
-                    stage.validate_job(*paths, shard_cfg, None, DEMO_TARGET)
+                # validate_job before issue 47 took what validate_for_target takes now
+                if job := getattr(stage, "validate_for_target", None) or getattr(stage, "validate_job", None):
+                    job(*paths, shard_cfg, None, DEMO_TARGET)
                 else:
                     stage.validate_shard(*paths, shard_cfg)
             except Exception as e:  # noqa: BLE001 - a stage failing on a case is one of the figures

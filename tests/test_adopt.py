@@ -3,7 +3,7 @@
 What the model emits is taken from the real chat template: the tokens after the generation
 prompt in the rendered conversation, up to the end of turn. The responses are hand-written as
 each server returns them for that output: SGLang 0.5.23 (qwen3 + qwen3_coder/qwen25 parsers, see
-``dflash/adopt.py``) and vLLM 0.32.0 (qwen3 + qwen3_coder/hermes; the vLLM fields were read off
+``dflash/generate/adopt.py``) and vLLM 0.32.0 (qwen3 + qwen3_coder/hermes; the vLLM fields were read off
 its own parser run on these outputs).
 """
 import json
@@ -11,14 +11,14 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from dflash.adopt import adopted_record
-from dflash.chat import rebuild_text, render_call
-from dflash.generate import generate_shard
-from dflash.io import read_json, read_jsonl, write_jsonl_zst
-from dflash.prompts import build_prompts
+from dflash.generate.adopt import adopted_record
+from dflash.core.chat import rebuild_text, render_call
+from dflash.generate.stage import generate_shard
+from dflash.core.io import read_json, read_jsonl, write_jsonl_zst
+from dflash.prompts.stage import build_prompts
 from tests.helpers import record_errors
-from dflash.chat import render_prompt
-from dflash.tokenize import tokenize_shard
+from dflash.core.chat import render_prompt
+from dflash.tokenize.stage import tokenize_shard
 from tests.test_tokenize import validated
 
 TOOLS = [{"type": "function", "function": {

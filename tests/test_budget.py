@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash.budget import BudgetError, check_budget, spend
-from dflash.config import load_config
-from dflash.io import read_json, read_jsonl
+from dflash.generate.budget import BudgetError, check_budget, spend
+from dflash.core.config import load_config
+from dflash.core.io import read_json, read_jsonl
 from tests.conftest import ROOT, small_run_config
 
 

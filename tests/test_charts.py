@@ -1,7 +1,7 @@
 """The report's and the benches' SVG charts."""
 import re
 
-from dflash.charts import CHAR_PX, bars_svg
+from dflash.report.charts import CHAR_PX, bars_svg
 
 
 def test_many_series_get_their_own_colours_and_a_legend_that_wraps_inside_the_chart():

@@ -1,7 +1,7 @@
 """The Qwen chat format's one home: finish reasons decided by the ids, history as the template takes it."""
 import pytest
 
-from dflash.chat import finish_reason, render, template_message
+from dflash.core.chat import finish_reason, render, template_message
 
 STOP = {7, 8}
 

@@ -7,15 +7,15 @@ from collections import Counter
 import pytest
 import yaml
 
-from dflash.check import Tally, is_refusal, verdict
-from dflash.loops import loop_patterns
+from dflash.inspect.check import Tally, is_refusal, verdict
+from dflash.core.loops import loop_patterns
 from dflash.cli import main
-from dflash.generate import generate_shard
-from dflash.io import read_json, read_jsonl, write_jsonl_zst
-from dflash.prompts import read_source
-from dflash.toolcalls import check_tool_calls
-from dflash.validate import validate_job, validate_shard
-from dflash.vocabulary import BAD_CALL
+from dflash.generate.stage import generate_shard
+from dflash.core.io import read_json, read_jsonl, write_jsonl_zst
+from dflash.prompts.stage import read_source
+from dflash.core.toolcalls import check_tool_calls
+from dflash.core.reasons import BAD_CALL
+from dflash.validate.stage import validate_for_target, validate_shard
 from tests.conftest import ROOT
 from tests.test_validate import CFG, GOOD, STORY_LOOP, answer, xml
 
@@ -43,7 +43,7 @@ def run(tmp_path_factory, demo_sources, demo_config, target_dir):
         write_jsonl_zst(out / "prompts" / f"{name}.jsonl.zst", part)
         generate_shard(out / "prompts" / f"{name}.jsonl.zst", out / "completions" / f"{name}.jsonl.zst", target_dir,
                        GEN, out / "completions" / f"{name}.summary.json")
-        validate_job(out / "completions" / f"{name}.jsonl.zst", out / "validated" / f"{name}.jsonl.zst",
+        validate_for_target(out / "completions" / f"{name}.jsonl.zst", out / "validated" / f"{name}.jsonl.zst",
                      out / "rejected" / f"{name}.jsonl.zst", out / "qa" / f"{name}.json", cfg, None, target_dir)
     # what a running generate job leaves beside the shards: never read
     (out / "completions" / ".shard-00002.jsonl.zst.partial.jsonl").write_text("{not a record\n")
@@ -196,7 +196,7 @@ def test_loop_patterns_and_refusals():
 
 
 def test_the_report_shows_escape_sequences_of_records_escaped(tmp_path):
-    from dflash.check import render
+    from dflash.inspect.check import render
     from tests.test_inspect import HOSTILE
 
     prose = {**answer(f"It is sunny in Paris today, no call needed. {HOSTILE}"), "id": "esc"}

@@ -3,7 +3,7 @@ import subprocess
 import sys
 
 from dflash.cli import main
-from dflash.io import read_json, read_jsonl, write_jsonl_zst
+from dflash.core.io import read_json, read_jsonl, write_jsonl_zst
 from tests.conftest import ROOT
 
 STAGES = ["prompts", "target", "generate", "validate", "tokenize", "hidden", "train", "eval", "report", "inspect"]

@@ -1,10 +1,12 @@
+import ast
+import re
 import subprocess
 import sys
 
 import pytest
 import yaml
 
-from dflash.config import ConfigError, check_config, load_config
+from dflash.core.config import ConfigError, check_config, load_config
 from tests.conftest import ROOT
 
 
@@ -21,9 +23,9 @@ def test_the_schema_is_the_one_source_of_defaults():
     generate backends complete the part of a section they are handed from the schema."""
     import ast
 
-    from dflash.acceptance import settings
-    from dflash.config import completed, defaults
-    from dflash.train import resolve_cfg, trainer_defaults
+    from dflash.eval.acceptance import settings
+    from dflash.core.config import completed, defaults
+    from dflash.train.stage import resolve_cfg, trainer_defaults
 
     for path in sorted((ROOT / "dflash").rglob("*.py")):
         for node in ast.parse(path.read_text()).body:  # a mapping named for defaults (DEFAULT_SITE is a path)
@@ -44,9 +46,9 @@ def test_the_schema_is_the_one_source_of_defaults():
 
 
 def test_a_server_dialect_is_one_entry_in_dialects_and_its_schema_enums():
-    """dflash.dialects holds each server dialect; the schema's enums name exactly those, and each
+    """dflash.core.dialects holds each server dialect; the schema's enums name exactly those, and each
     names a conda environment that exists."""
-    from dflash.dialects import DIALECTS, LOGGING_SERVERS, detect_server
+    from dflash.core.dialects import DIALECTS, LOGGING_SERVERS, detect_server
 
     schema = yaml.safe_load((ROOT / "dflash" / "schemas" / "config.schema.yaml").read_text())["properties"]
     assert sorted(schema["generate"]["properties"]["server"]["properties"]["dialect"]["enum"]) == sorted(DIALECTS)
@@ -59,8 +61,9 @@ def test_a_server_dialect_is_one_entry_in_dialects_and_its_schema_enums():
 
 
 def test_every_schema_names_the_same_categories_splits_and_reason_codes():
-    from dflash.validate import CHECKS
-    from dflash.vocabulary import CATEGORIES, SPLITS
+    from dflash.core.reasons import REASONS
+    from dflash.validate.stage import CHECKS
+    from dflash.core.vocabulary import CATEGORIES, SPLITS
 
     def properties(name):
         return yaml.safe_load((ROOT / "dflash" / "schemas" / f"{name}.schema.yaml").read_text())["properties"]
@@ -69,34 +72,39 @@ def test_every_schema_names_the_same_categories_splits_and_reason_codes():
     assert source["category"]["enum"] == properties("prompt")["category"]["enum"] == list(CATEGORIES)
     assert properties("completion")["category"]["enum"] == list(CATEGORIES)
     assert properties("prompt")["meta"]["properties"]["split"]["enum"] == list(SPLITS)
-    assert set(properties("config")["validate"]["properties"]["checks"]["properties"]) == set(CHECKS)
+    checks = properties("config")["validate"]["properties"]["checks"]["properties"]
+    assert set(checks) == set(CHECKS)
+    # the config loader's defaults (the schema's) are the declarations'
+    assert {code: check["default"] for code, check in checks.items()} == {r.code: r.default for r in REASONS}
+
+
+def test_validate_finds_each_declared_reason_code_in_its_order():
+    """A reason code is declared once (dflash/core/reasons.py): validate runs one check per code in
+    the declarations' order (a record's reasons and a QA report's checks keep it), and the codes
+    check_tool_calls gives are the declared tool-call ones (any other would never reach a record)."""
+    from dflash.core.reasons import REASONS, TOOL_CODES
+    from dflash.validate.stage import CHECKS
+
+    assert list(CHECKS) == [r.code for r in REASONS]
+    tree = ast.parse((ROOT / "dflash" / "core" / "toolcalls.py").read_text(encoding="utf-8"))
+    given = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+             and isinstance(node.value, str) and re.fullmatch(r"tool_[a-z_]+|text_after_tool_call", node.value)}
+    assert given == set(TOOL_CODES)
 
 
 def test_the_docs_name_every_reason_code():
     """A reason code a user meets in a manifest or a QA report is explained where the docs say:
     the validate codes in docs/quality.md, the prompts stage's per-record drops in docs/stages.md."""
-    from dflash.prompts import QUIRKS, UNREADABLE
-    from dflash.validate import CHECKS
+    from dflash.core.reasons import ACTIONS, REASONS
+    from dflash.prompts.stage import QUIRKS, UNREADABLE
+    from dflash.validate.stage import CHECKS
 
     quality, stages = ((ROOT / "docs" / name).read_text(encoding="utf-8") for name in ("quality.md", "stages.md"))
     assert [code for code in CHECKS if f"`{code}`" not in quality] == []
     assert [code for code in (*QUIRKS, *UNREADABLE) if f"`{code}`" not in stages] == []
-
-
-def test_the_core_modules_import_no_stage():
-    """docs/design.md's layers: the core modules (files, config, record words, formats, job
-    plumbing) import only each other, lazily too, so any stage, report or command can read them."""
-    import ast
-
-    core = {"io", "tensors", "config", "records", "vocabulary", "loops", "toolcalls", "dialects", "chat", "errors",
-            "storage", "units", "workflow", "charts", "curves", "run_stamp"}
-    for name in core:
-        tree = ast.parse((ROOT / "dflash" / f"{name}.py").read_text())
-        imported = {n.module.split(".")[1] for n in ast.walk(tree)
-                    if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("dflash.")}
-        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "dflash"
-                     for a in n.names}
-        assert imported <= core, (name, imported - core)
+    # the table of checks: a row per code, its default action last
+    rows = re.findall(rf"^\| `(\w+)` \|.*\| ({'|'.join(ACTIONS)}) \|$", quality, re.M)
+    assert dict(rows) == {r.code: r.default for r in REASONS} and len(rows) == len(REASONS)
 
 
 def test_misspelled_key_names_key_file_and_suggestion(tmp_path):
@@ -168,7 +176,7 @@ def test_a_block_of_one_token_is_refused():
 def test_a_drafter_the_target_cannot_carry_stops_the_plan(tmp_path, target_dir):
     """target_layer_ids beyond the target's layers (or too many layers for the default spacing) are
     said by `-n`, from the target's config.json, not by the hidden job after every generate job."""
-    from dflash.hidden_cache import drafter_target_problems, text_config
+    from dflash.core.shapes import drafter_target_problems, text_config
 
     raw = yaml.safe_load((ROOT / "config.yaml").read_text())
     raw["target"]["path"] = str(target_dir)  # the tests' 4-layer target
@@ -208,7 +216,7 @@ def test_a_yaml_template_config_is_refused(tmp_path):
 def test_an_output_dir_outside_the_storage_prefix_is_refused(tmp_path):
     """With outputs in S3 the keys are <prefix>/<output_dir>/...: a '..' would put them in another
     run's keys, and safe_to_destroy would check a prefix it never wrote to."""
-    from dflash.storage import safe_to_destroy, stored_root
+    from dflash.core.storage import safe_to_destroy, stored_root
 
     assert stored_root("s3://b/run1", "results") == ("b", "run1/results")
     assert stored_root("s3://b/run1/", "./sub/../results") == ("b", "run1/results")

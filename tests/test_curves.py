@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from dflash.config import defaults
-from dflash.curves import curve_spec, log_eval
-from dflash.train import train
+from dflash.core.config import defaults
+from dflash.core.curves import curve_spec, log_eval
+from dflash.train.stage import train
 from tests.test_train import TRAIN_CFG, interrupted_at, shards, tiny_target_dir  # noqa: F401 (fixtures)
 
 

@@ -13,7 +13,7 @@ import zstandard
 from safetensors.torch import load_file, save_file
 
 from dflash.cli import main
-from dflash.io import write_json, write_jsonl_zst
+from dflash.core.io import write_json, write_jsonl_zst
 from tests.conftest import ROOT
 from tests.test_tokenize import MESSAGES, validated, with_ids
 

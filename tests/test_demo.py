@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from dflash.cli import main
-from dflash.io import read_json
+from dflash.core.io import read_json
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow

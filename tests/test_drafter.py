@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
-from dflash.drafter import DFlashDraftModel, build_target_layer_ids, draft_attention_mask, load_drafter, make_draft_config
-from dflash.io import OUTPUT_MARK
+from dflash.core.shapes import build_target_layer_ids
+from dflash.train.drafter import DFlashDraftModel, draft_attention_mask, load_drafter, make_draft_config
+from dflash.core.io import OUTPUT_MARK
 from tests.helpers import save_drafter
 
 

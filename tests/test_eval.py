@@ -12,12 +12,12 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from dflash.drafter import TargetIO, load_drafter
-from dflash.acceptance import merge_parts, position_figures
-from dflash.eval import encode_prompts, evaluate, speculative_generate, untrained_drafter
-from dflash.chat import stop_token_ids
-from dflash.hidden import decoder_layers, forward_features
-from dflash.train import train
+from dflash.train.drafter import TargetIO, load_drafter
+from dflash.eval.acceptance import merge_parts, position_figures
+from dflash.eval.stage import encode_prompts, evaluate, speculative_generate, untrained_drafter
+from dflash.core.chat import stop_token_ids
+from dflash.hidden.stage import decoder_layers, forward_features
+from dflash.train.stage import train
 from test_drafter import reference  # noqa: F401 - the fixture with the reference wheel's model.py
 from test_train import LAYER_IDS, TRAIN_CFG, make_target, write_shards
 

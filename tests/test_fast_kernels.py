@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dflash import eval as dflash_eval
-from dflash.config import ConfigError, check_config, defaults
-from dflash.models import check_fast_kernels, fast_kernels_problem, kernel_choices
+from dflash.eval import stage as dflash_eval
+from dflash.core.config import ConfigError, check_config, defaults
+from dflash.target.models import check_fast_kernels, fast_kernels_problem, kernel_choices
 
 CUDA = torch.device("cuda")
 KERNELS_HERE = any(importlib.util.find_spec(m) for m in ("fla", "causal_conv1d"))
@@ -58,9 +58,9 @@ def test_nothing_on_cpu_for_full_attention_or_with_the_kernels(monkeypatch):
     assert fast_kernels_problem(hybrid(), torch.device("cpu")) is None
     assert fast_kernels_problem(hybrid(), "cpu") is None
     assert fast_kernels_problem(full_attention(), CUDA) is None
-    monkeypatch.setattr("dflash.models.kernel_choices", lambda config: {"fla": True, "causal_conv1d": True})
+    monkeypatch.setattr("dflash.target.models.kernel_choices", lambda config: {"fla": True, "causal_conv1d": True})
     assert fast_kernels_problem(hybrid(), CUDA) is None
-    monkeypatch.setattr("dflash.models.kernel_choices", lambda config: {"fla": True, "causal_conv1d": False})
+    monkeypatch.setattr("dflash.target.models.kernel_choices", lambda config: {"fla": True, "causal_conv1d": False})
     line = fast_kernels_problem(hybrid(), CUDA)
     assert "import causal-conv1d (causal_conv1d), so" in line and "flash-linear-attention" not in line
 
@@ -111,7 +111,7 @@ def test_eval_stops_before_loading_the_target(on_cuda):
 @needs_no_kernels
 def test_eval_warns_and_loads_with_warn(on_cuda, caplog):
     target_dir, loaded = on_cuda
-    with caplog.at_level(logging.WARNING, logger="dflash.eval"):
+    with caplog.at_level(logging.WARNING, logger="dflash.eval.stage"):
         dflash_eval.load_target(target_dir, dflash_eval.settings({"fast_kernels": "warn"}))
     assert loaded == [CUDA]
     assert "target.fast_kernels: warn" in caplog.text
@@ -132,15 +132,15 @@ def test_cli_eval_passes_the_target_policy(monkeypatch, tmp_path):
 def test_hidden_and_online_training_stop_before_loading_the_target(monkeypatch, tmp_path):
     """The hidden job and online training run the target too: the same line, before any weights
     are read (the target folder here holds a config and no weights)."""
-    import dflash.models
-    import dflash.train
+    import dflash.hidden.stage
+    import dflash.train.stage
     from safetensors.torch import save_file
 
-    from dflash.hidden import capture_shard
+    from dflash.hidden.stage import capture_shard
 
     hybrid().save_pretrained(tmp_path / "target")
-    monkeypatch.setattr(dflash.models, "pick_device", lambda name: CUDA)  # the hidden stage's
-    monkeypatch.setattr(dflash.train, "pick_device", lambda name: CUDA)
+    monkeypatch.setattr(dflash.hidden.stage, "pick_device", lambda name: CUDA)
+    monkeypatch.setattr(dflash.train.stage, "pick_device", lambda name: CUDA)
     save_file({"input_ids": torch.tensor([1, 2, 3], dtype=torch.int32), "offsets": torch.tensor([0, 3])},
               tmp_path / "t.safetensors")
     with pytest.raises(ValueError, match=r"^hybrid target \(qwen3_5_text\) on CUDA without its fast kernels"):
@@ -148,5 +148,5 @@ def test_hidden_and_online_training_stop_before_loading_the_target(monkeypatch, 
                       {"target_layer_ids": [0, 1]})
     cfg = {"mask_token_id": 1, "num_layers": 1, "hidden_states": "online"}
     with pytest.raises(ValueError, match=r"^hybrid target \(qwen3_5_text\) on CUDA without its fast kernels"):
-        dflash.train.train([tmp_path / "t.safetensors"], None, tmp_path / "target", tmp_path / "out", cfg)
+        dflash.train.stage.train([tmp_path / "t.safetensors"], None, tmp_path / "target", tmp_path / "out", cfg)
     assert not (tmp_path / "h.safetensors").exists() and not (tmp_path / "out").exists()

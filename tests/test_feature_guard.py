@@ -12,9 +12,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from dflash.feature_guard import FeatureError
-from dflash.hidden import capture_shard
-from dflash.train import train
+from dflash.hidden.feature_guard import FeatureError
+from dflash.hidden.stage import capture_shard
+from dflash.train.stage import train
 from tests.test_train import LAYER_IDS, TRAIN_CFG, _rewrite, make_target, write_shards
 
 CFG = {**TRAIN_CFG, "steps": 4, "log_every": 2}

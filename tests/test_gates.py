@@ -2,11 +2,11 @@
 records that were kept but call no tool (the story's "check the tool-calling examples")."""
 import pytest
 
-from dflash.config import check_config
-from dflash.gates import GateError, run_gates, write_qa_summary
-from dflash.io import write_json, write_jsonl_zst
-from dflash.validate import validate_shard
-from dflash.vocabulary import calls_a_tool
+from dflash.core.config import check_config
+from dflash.validate.gates import GateError, run_gates, write_qa_summary
+from dflash.core.io import write_json, write_jsonl_zst
+from dflash.validate.stage import validate_shard
+from dflash.core.reasons import calls_a_tool
 from tests.test_report import GATES
 from tests.test_validate import CFG, GOOD, answer, xml
 

@@ -3,12 +3,12 @@ from pathlib import Path
 
 import pytest
 
-from dflash.chat import split_reasoning
-from dflash.generate import generate_shard
-from dflash.replay import sample_seed
-from dflash.resume import partial_path
-from dflash.io import read_json, read_jsonl, write_jsonl_zst
-from dflash.prompts import read_source
+from dflash.core.chat import split_reasoning
+from dflash.generate.stage import generate_shard
+from dflash.generate.replay import sample_seed
+from dflash.generate.resume import partial_path
+from dflash.core.io import read_json, read_jsonl, write_jsonl_zst
+from dflash.prompts.stage import read_source
 from tests.helpers import on_a_small_tmpfs, record_errors
 
 DESIGN_FIELDS = {"id", "prompt_id", "source", "category", "messages", "tools", "text", "reasoning", "content",
@@ -76,13 +76,13 @@ def test_generation_is_reproducible_per_sample(tmp_path, prompt_shard, target_di
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.7, "top_p": 0.95, "top_k": 20}])
 def test_a_row_draws_alone_or_batched_what_transformers_generate_draws(prompt_shard, target, sampling):
-    """The CPU backend's loop (dflash.decode) against transformers' generate() after
+    """The CPU backend's loop (dflash.generate.decode) against transformers' generate() after
     torch.manual_seed(seed), repetition penalty included: the same tokens for each prompt, decoded
     alone or in a batch of prompts of other lengths (left-padded; rows leave as they stop)."""
     import torch
 
-    from dflash.chat import render, stop_token_ids
-    from dflash.decode import sample_batch
+    from dflash.core.chat import render, stop_token_ids
+    from dflash.generate.decode import sample_batch
 
     model, tok = target
     _, prompts = prompt_shard
@@ -190,7 +190,7 @@ def test_a_looping_generation_is_cut_in_process(tmp_path, prompt_shard, target_d
     tokens saved, and validation rejects them as repetition_loop; the others are identical."""
     import shutil
 
-    from dflash.validate import validate_shard
+    from dflash.validate.stage import validate_shard
 
     path, prompts = prompt_shard
     looping = tmp_path / "target"
@@ -229,9 +229,9 @@ def test_a_full_disk_under_the_jobs_log_names_the_log(tmp_path, prompt_shard, ta
     bare ``[Errno 28]`` naming no file, and the job's console line was lost with it."""
     import sys
 
-    job = ("import json, sys; from dflash.workflow import log_to; from dflash.errors import install_job_hook; "
+    job = ("import json, sys; from dflash.core.workflow import log_to; from dflash.core.errors import install_job_hook; "
            "log_to('/mnt/logs/generate.log'); install_job_hook('generate (shard=00000)', '/mnt/logs/generate.log'); "
-           "from dflash.generate import generate_shard; generate_shard(*sys.argv[1:4], json.loads(sys.argv[4]))")
+           "from dflash.generate.stage import generate_shard; generate_shard(*sys.argv[1:4], json.loads(sys.argv[4]))")
     run = on_a_small_tmpfs(f"mkdir /mnt/logs && (head -c 16k /dev/zero > /mnt/fill; true) && exec {sys.executable} "
                            f"-c \"$0\" \"$@\"", job, str(prompt_shard[0]), str(tmp_path / "c.jsonl.zst"), str(target_dir),
                            json.dumps(gen_cfg()), cwd=Path(__file__).parent.parent)

@@ -12,10 +12,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from dflash.chat import render
-from dflash.generate import generate_shard
-from dflash.io import read_jsonl, write_jsonl_zst
-from dflash.prompts import read_source
+from dflash.core.chat import render
+from dflash.generate.stage import generate_shard
+from dflash.core.io import read_jsonl, write_jsonl_zst
+from dflash.prompts.stage import read_source
 
 
 class Faults(BaseHTTPRequestHandler):
@@ -201,7 +201,7 @@ def test_another_models_answer_fails_the_job(fault_server, fault, server, tmp_pa
     """Every record would be the other model's: the job stops at the first reply, one line naming
     the shard, the record and both models, and keeps no record of it."""
     from dflash.cli import main
-    from dflash.resume import partial_path
+    from dflash.generate.resume import partial_path
 
     prompts = list(read_source(demo_sources[0]))[:3]
     write_jsonl_zst(tmp_path / "p.jsonl.zst", prompts)
@@ -232,8 +232,8 @@ def test_a_dead_server_fails_the_job_at_once_keeping_what_finished(tmp_path, tar
     prompts, 64 in flight, 3 retries each with backoff. The job stops after 16 refusals in a row
     instead of retrying all 50 prompts for about a minute."""
     from dflash.cli import main
-    from dflash.resume import partial_path
-    from dflash.server import free_port
+    from dflash.generate.resume import partial_path
+    from dflash.generate.server import free_port
 
     prompts = [r for src in demo_sources for r in read_source(src)][:50]
     write_jsonl_zst(tmp_path / "p.jsonl.zst", prompts)

@@ -10,13 +10,13 @@ import json
 
 import pytest
 
-from dflash import backends
-from dflash.backends import TransformersBackend, resolve_sampling
-from dflash.generate import generate_shard
-from dflash.replay import generate_conversation
-from dflash.resume import partial_path
-from dflash.io import read_json, read_jsonl, write_jsonl_zst
-from dflash.prompts import read_source
+from dflash.generate import backends
+from dflash.generate.backends import TransformersBackend, resolve_sampling
+from dflash.generate.stage import generate_shard
+from dflash.generate.replay import generate_conversation
+from dflash.generate.resume import partial_path
+from dflash.core.io import read_json, read_jsonl, write_jsonl_zst
+from dflash.prompts.stage import read_source
 from tests.helpers import record_errors
 
 CFG = {"backend": "transformers", "enable_thinking": True, "max_error_fraction": 0.0,

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from dflash.chat import split_reasoning
-from dflash.generate import generate_shard
-from dflash.resume import partial_path
-from dflash.io import read_jsonl, write_jsonl_zst
-from dflash.prompts import read_source
-from dflash.server import ServerProcess, free_port
-from dflash.tokenize import tokenize_shard
+from dflash.core.chat import split_reasoning
+from dflash.generate.stage import generate_shard
+from dflash.generate.resume import partial_path
+from dflash.core.io import read_jsonl, write_jsonl_zst
+from dflash.prompts.stage import read_source
+from dflash.generate.server import ServerProcess, free_port
+from dflash.tokenize.stage import tokenize_shard
 from tests.test_tokenize import validated
 
 pytestmark = pytest.mark.slow
@@ -94,7 +94,7 @@ def test_killed_job_resumes_without_repeating_finished_requests(server, target_d
     out = tmp_path / "out.jsonl.zst"
     settings = cfg(url, concurrency=1, retries=0)
     settings["sampling"]["max_tokens"] = 64
-    job = [sys.executable, "-c", "import sys, json; from dflash.generate import generate_shard; "
+    job = [sys.executable, "-c", "import sys, json; from dflash.generate.stage import generate_shard; "
            "generate_shard(sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))",
            str(shard), str(out), str(target_dir), json.dumps(settings)]
     proc = subprocess.Popen(job, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

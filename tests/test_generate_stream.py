@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash.backends import IncrementalText, OpenAIBackend
-from dflash.teach import build_tokenizer, load_conversations
+from dflash.generate.backends import IncrementalText, OpenAIBackend
+from dflash.target.teach import build_tokenizer, load_conversations
 
 
 @pytest.fixture(scope="module")

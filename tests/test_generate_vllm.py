@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash.generate import generate_shard
-from dflash.resume import partial_path
-from dflash.io import read_jsonl, write_jsonl_zst
-from dflash.prompts import read_source
+from dflash.generate.stage import generate_shard
+from dflash.generate.resume import partial_path
+from dflash.core.io import read_jsonl, write_jsonl_zst
+from dflash.prompts.stage import read_source
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +64,7 @@ def test_server_killed_mid_shard_then_job_resumes(vllm, qwen3_target, demo_sourc
     out = tmp_path / "c.jsonl.zst"
     cfg = settings(vllm.url, concurrency=1)
     cfg["sampling"]["max_tokens"] = 96
-    job = [sys.executable, "-c", "import sys, json; from dflash.generate import generate_shard; "
+    job = [sys.executable, "-c", "import sys, json; from dflash.generate.stage import generate_shard; "
            "generate_shard(sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))",
            str(tmp_path / "shard-00000.jsonl.zst"), str(out), str(qwen3_target), json.dumps(cfg)]
     proc = subprocess.Popen(job, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -122,7 +122,7 @@ def test_tool_call_cut_by_max_tokens_is_a_length_finish(vllm, qwen3_target, demo
     output, even one cut at ``max_tokens``. A structured-output regex forces a call; the cap is set
     to end the output just before its ``</tool_call>``: the ids end without a stop token at the cap,
     so the record says ``length``, the replay stops with ``finish_length`` and validation rejects it."""
-    from dflash.validate import validate_shard
+    from dflash.validate.stage import validate_shard
 
     tool_source = next(s for s in demo_sources if s["name"] == "demo-tool")
     prompt = next(r for r in read_source(tool_source) if "rain in Amsterdam" in r["messages"][-1]["content"])
@@ -206,7 +206,7 @@ def test_looping_stream_is_cut_and_the_server_aborts_it(vllm, qwen3_target, demo
     tokens the server generated are about those received, far below max_tokens. The record keeps
     the ids received and the loop, the summary the tokens saved, and validation rejects it as
     repetition_loop."""
-    from dflash.validate import validate_shard
+    from dflash.validate.stage import validate_shard
 
     repetition, cap = {"min_repeats": 4, "min_chars": 200}, 3000
     prompt = next(iter(read_source(demo_sources[0])))

@@ -5,10 +5,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from dflash.hidden_cache import cache_bytes
-from dflash.hidden import cached_features, capture_shard, forward_features
-from dflash.io import write_jsonl_zst
-from dflash.tokenize import tokenize_shard
+from dflash.core.shapes import cache_bytes
+from dflash.hidden.stage import cached_features, capture_shard, forward_features
+from dflash.core.io import write_jsonl_zst
+from dflash.tokenize.stage import tokenize_shard
 from tests.test_tokenize import validated
 
 

@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from dflash.cli import main
-from dflash.config import ConfigError, check_config, load_config, read_yaml
-from dflash.io import OUTPUT_MARK, atomic_dir, read_json, read_jsonl, umask, write_jsonl_zst
-from dflash.prompt_checks import PromptChecks
-from dflash.prompts import build_prompts
+from dflash.core.config import ConfigError, check_config, load_config, read_yaml
+from dflash.core.io import OUTPUT_MARK, atomic_dir, read_json, read_jsonl, umask, write_jsonl_zst
+from dflash.prompts.checks import PromptChecks
+from dflash.prompts.stage import build_prompts
 from tests.conftest import ROOT
 from tests.helpers import on_a_small_tmpfs
 from tests.test_tokenize import validated
@@ -147,7 +147,7 @@ def test_outputs_that_clash_with_each_other_or_an_input_are_refused(tmp_path, ca
 
 
 def test_a_shard_given_twice_to_train_is_refused(tmp_path, capsys, target):
-    from dflash.tokenize import tokenize_shard
+    from dflash.tokenize.stage import tokenize_shard
     from tests.test_tokenize import with_ids
 
     write_jsonl_zst(tmp_path / "v.jsonl.zst", [validated(with_ids(target[1], "a", "Four.\n</think>\n\n4"))])
@@ -230,9 +230,9 @@ def test_what_the_model_would_see_is_screened_not_its_json(tmp_path, target):
 def test_the_models_own_turn_never_becomes_a_control_token_of_the_next_prompt(target):
     """A model that writes <|im_start|> inside its turn cannot be had on demand from a real one: this
     backend returns such a turn, and everything else is the real replay loop."""
-    from dflash.chat import TokenScreen
-    from dflash.backends import Generation
-    from dflash.replay import generate_conversation
+    from dflash.core.chat import TokenScreen
+    from dflash.generate.backends import Generation
+    from dflash.generate.replay import generate_conversation
 
     class WritesAControlToken:
         name, engine_version, model_name = "test", "test", "test"
@@ -259,8 +259,8 @@ def test_the_models_own_turn_never_becomes_a_control_token_of_the_next_prompt(ta
 # ---- 8-10: silent wrong output -------------------------------------------------------------------
 
 def test_a_resumed_shard_keeps_only_records_of_its_own_settings(tmp_path, target_dir, capsys):
-    from dflash.generate import generate_shard
-    from dflash.resume import partial_path
+    from dflash.generate.stage import generate_shard
+    from dflash.generate.resume import partial_path
 
     cfg = load_config(ROOT / "config.yaml")["generate"]
     cfg["sampling"].update(max_tokens=4, temperature=0.0)
@@ -295,7 +295,7 @@ def test_a_resumed_shard_keeps_only_records_of_its_own_settings(tmp_path, target
 
 
 def test_tokenize_takes_validated_records_only(tmp_path, target, capsys):
-    from dflash.tokenize import tokenize_shard
+    from dflash.tokenize.stage import tokenize_shard
     from tests.test_tokenize import with_ids
 
     good = validated(with_ids(target[1], "a", "Four.\n</think>\n\n4"))
@@ -562,8 +562,8 @@ def test_a_validate_on_a_disk_already_full_names_the_file(tmp_path):
 def test_errors_and_log_lines_quoting_record_text_are_escaped(tmp_path):
     import logging
 
-    from dflash.errors import describe, failure_line
-    from dflash.workflow import setup_logging
+    from dflash.core.errors import describe, failure_line
+    from dflash.core.workflow import setup_logging
     from tests.test_inspect import HOSTILE
 
     line = failure_line("prompts", describe(ValueError(f"in.jsonl:3: {HOSTILE}")), "logs/prompts.log")
@@ -572,7 +572,7 @@ def test_errors_and_log_lines_quoting_record_text_are_escaped(tmp_path):
     handlers, level = root.handlers[:], root.level
     try:
         setup_logging(tmp_path / "job.log")
-        logging.getLogger("dflash.prompts").warning("prompt x (in:1): template_error: %s", HOSTILE)
+        logging.getLogger("dflash.prompts.stage").warning("prompt x (in:1): template_error: %s", HOSTILE)
     finally:
         root.handlers[0].close()
         root.handlers[:], root.level = handlers, level

@@ -3,11 +3,11 @@ import json
 
 import pytest
 
-from dflash.acceptance import eval_result, summaries, write_eval
+from dflash.eval.acceptance import eval_result, summaries, write_eval
 from dflash.cli import main
-from dflash.io import read_jsonl, write_jsonl_zst
-from dflash.tokenize import tokenize_shard
-from dflash.validate import validate_shard
+from dflash.core.io import read_jsonl, write_jsonl_zst
+from dflash.tokenize.stage import tokenize_shard
+from dflash.validate.stage import validate_shard
 from tests.test_tokenize import validated, with_ids
 from tests.test_validate import CFG, GOOD, REASONING, STORY_LOOP, answer, record, xml
 

@@ -11,7 +11,7 @@ import pytest
 import zstandard
 
 from dflash.cli import main
-from dflash.io import read_jsonl, write_json, write_jsonl_zst
+from dflash.core.io import read_jsonl, write_json, write_jsonl_zst
 from tests.conftest import ROOT
 from tests.helpers import on_a_small_tmpfs
 from tests.test_validate import GOOD
@@ -94,7 +94,7 @@ def test_concatenated_shards_read_as_one(tmp_path):
 
 @pytest.mark.parametrize("mask", [0o022, 0o002, 0o077])
 def test_outputs_get_the_mode_the_umask_gives(tmp_path, mask):
-    from dflash.validate import validate_shard
+    from dflash.validate.stage import validate_shard
     from tests.test_validate import CFG
 
     old = os.umask(mask)
@@ -131,13 +131,13 @@ def test_a_full_disk_names_the_file_being_written(tmp_path):
 def test_a_safetensors_file_has_the_same_bytes_in_every_process(tmp_path):
     """safetensors writes its metadata map in hash order, another per process: two processes
     writing the same hidden-state shard made two files until save_safetensors fixed the order."""
-    code = ("import sys, torch; from dflash.tensors import save_safetensors; "
+    code = ("import sys, torch; from dflash.core.tensors import save_safetensors; "
             "save_safetensors({'h': torch.arange(6.0), 'o': torch.ones(2, dtype=torch.int32)}, sys.argv[1], "
             "{k: k * 3 for k in ('format', 'target_layer_ids', 'hidden_size', 'dtype', 'model')})")
     files = [tmp_path / f"{i}.safetensors" for i in range(3)]
     for path in files:
         subprocess.run([sys.executable, "-c", code, str(path)], check=True, cwd=ROOT)
     assert len({path.read_bytes() for path in files}) == 1
-    from dflash.tensors import load_safetensors
+    from dflash.core.tensors import load_safetensors
 
     assert load_safetensors(files[0])["h"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]

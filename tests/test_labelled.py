@@ -7,7 +7,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from dflash.records import record_problem
+from dflash.core.records import record_problem
 from tests.labelled_cases import cases, scores, verdicts
 
 CASES = cases()

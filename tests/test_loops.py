@@ -12,8 +12,8 @@ from itertools import islice
 
 import pytest
 
-from dflash.loops import LoopWatch, certain_loop, find_loop, repetition_loop
-from dflash.validate import judge
+from dflash.core.loops import LoopWatch, certain_loop, find_loop, repetition_loop
+from dflash.validate.stage import judge
 from tests.test_validate import (CFG, CODE_LISTING, GOOD, LOOPING_PARAGRAPH, NUMBERED, REASONING, STORY_LOOP, TABLE,
                                  record)
 
@@ -371,7 +371,7 @@ def near_miss_text(rng: random.Random) -> str:
 def test_the_gates_spare_only_texts_without_a_stretch(seed, monkeypatch):
     """may_run and may_repeat_inline only let Runs skip texts and lines where it finds nothing:
     with both gates open, every text near the thresholds gets the same answer."""
-    import dflash.loops as loops
+    import dflash.core.loops as loops
     rng = random.Random(seed)
     for _ in range(10):
         lines = near_miss_text(rng).split("\n")

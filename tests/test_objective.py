@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from dflash.objective import block_labels, block_loss, decay_weights, dpace_weights, head_argmax, supervision
+from dflash.train.objective import block_labels, block_loss, decay_weights, dpace_weights, supervision
+from dflash.target.head import head_argmax
 
 
 def test_dpace_weights_give_the_worked_example():

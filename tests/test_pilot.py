@@ -5,7 +5,7 @@ import sys
 import pytest
 import yaml
 
-from dflash.io import read_json, read_jsonl
+from dflash.core.io import read_json, read_jsonl
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow

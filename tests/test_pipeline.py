@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from dflash.cli import main
-from dflash.io import read_json, read_jsonl, write_jsonl_zst
+from dflash.core.io import read_json, read_jsonl, write_jsonl_zst
 from tests.helpers import record_errors
 from tests.conftest import ROOT
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash.config import load_config
-from dflash.plan import forecast, plan_lines
+from dflash.core.config import load_config
+from dflash.plan.stage import forecast, plan_lines
 from tests.conftest import ROOT
 
 STORY_TOKENS, STORY_PROMPTS = 1.64e9, 913_786
@@ -79,8 +79,8 @@ def test_the_plan_says_what_loop_aborts_saved_in_the_pilot():
     """The pilot's tokens per prompt count a generation cut for looping at the tokens received, so
     the forecast holds the saving; the plan says how much it is, the pilot's lines and the report's
     generation facts too."""
-    from dflash.pilot import pilot_lines
-    from dflash.headline import _generation_fact
+    from dflash.plan.pilot import pilot_lines
+    from dflash.report.headline import _generation_fact
 
     cfg = load_config(ROOT / "config/qwen3.6-27b.yaml")
     per_prompt = {"n": 100, "mean": 2000.0, "sd": 500.0}
@@ -113,7 +113,7 @@ TINY = {"model_type": "qwen3", "hidden_size": 8, "num_attention_heads": 2, "num_
 def test_the_flops_of_a_training_step_by_hand():
     """A 2-layer target (hidden 8, 2 heads of 4, 1 kv head, mlp 16, vocab 32) and a 1-layer
     drafter of its sizes on 2 features, blocks of 4, 3 anchors, 2 rows of 10 tokens (5 answer)."""
-    from dflash.train_cost import step_flops, target_forward_flops, target_matmul_params
+    from dflash.plan.train_cost import step_flops, target_forward_flops, target_matmul_params
 
     # lm_head 32x8 = 256; mlp 3x8x16 x 2 layers = 768; attention q, k, v, o = 64 + 32 + 32 + 64, x 2 = 384
     assert target_matmul_params(TINY) == 256 + 768 + 384
@@ -138,9 +138,9 @@ def test_the_target_count_is_the_tiny_targets_own_weights():
     (all but the embedding, a lookup, and the norms' and gates' vectors)."""
     import math
 
-    from dflash.hidden_cache import text_config
-    from dflash.tensors import open_safetensors
-    from dflash.train_cost import target_matmul_params
+    from dflash.core.shapes import text_config
+    from dflash.core.tensors import open_safetensors
+    from dflash.plan.train_cost import target_matmul_params
 
     target = ROOT / "data/demo/target"
     with open_safetensors(target / "model.safetensors") as f:
@@ -190,10 +190,10 @@ def test_a_skipped_burst_leaves_training_to_the_arithmetic():
 def test_the_drafters_trained_weights_are_the_demo_drafters_own():
     """The all-reduce's bytes: the plan's count of the drafter's trained weights (layers and fc) is
     the demo drafter's, its norms aside."""
-    from dflash.drafter import DFlashDraftModel
-    from dflash.hidden_cache import text_config
-    from dflash.train import planned_drafter_config
-    from dflash.train_cost import drafter_trained_params
+    from dflash.train.drafter import DFlashDraftModel
+    from dflash.core.shapes import text_config
+    from dflash.train.stage import planned_drafter_config
+    from dflash.plan.train_cost import drafter_trained_params
 
     cfg = load_config(ROOT / "config.yaml")
     target = ROOT / "data/demo/target"
@@ -203,7 +203,7 @@ def test_the_drafters_trained_weights_are_the_demo_drafters_own():
 
 
 def test_the_all_reduce_by_hand():
-    from dflash.train_cost import allreduce_seconds
+    from dflash.plan.train_cost import allreduce_seconds
 
     # a ring in each node of 8: 2 x 7/8 of 8 GB at 800 GB/s; across 2 nodes: 2 x 1/2 of it at 400 GB/s
     assert allreduce_seconds(8e9, 8, 2, 800, 400) == (pytest.approx(0.0175 + 0.02), [])
@@ -271,9 +271,9 @@ def test_the_plan_counts_the_held_out_set_the_prompts_stage_will_draw_and_warns_
     """Before the prompts exist: sources with no split get prompts.heldout_share of each category
     held out, as the prompts stage draws them; with the share at 0 the plan says the eval will have
     nothing to measure (it used to print "eval 0 s" and leave it out of the bill)."""
-    from dflash.plan import prompt_counts
-    from dflash.prompt_checks import heldout_settings
-    from dflash.prompts import build_prompts
+    from dflash.plan.stage import prompt_counts
+    from dflash.prompts.checks import heldout_settings
+    from dflash.prompts.stage import build_prompts
     from tests.test_prompts import mixed_openai_source
 
     cfg = load_config(ROOT / "config.yaml")

@@ -3,6 +3,8 @@ the site file, the local profile's GPU count, the shipped real-run config, and t
 keeps the demo's sizes out of a real run; and the SLURM executor settings docs/cluster.md promises."""
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +13,8 @@ import pytest
 import yaml
 import yte
 
-from dflash.cluster import SiteError, local_gpus, site
-from dflash.config import DEMO_SIZED, _at, demo_sized_problem, load_config
+from dflash.core.cluster import SiteError, local_gpus, node_kinds, site
+from dflash.core.config import DEMO_SIZED, _at, demo_sized_problem, load_config
 from tests.conftest import ROOT
 
 REAL = ROOT / "config" / "qwen3.6-27b.yaml"
@@ -237,15 +239,79 @@ def test_a_missing_model_folder_or_exclusion_file_is_one_line_at_the_plan(tmp_pa
             "in): fix the path, or take it out of the list") in run.stderr
 
 
-@pytest.mark.parametrize("profile", ["slurm-b200", "slurm-rtxpro6000"])
-def test_slurm_profiles_keep_every_job_log_and_need_no_accounting(profile, monkeypatch):
+@pytest.mark.parametrize("kind", list(node_kinds()))
+def test_slurm_profiles_keep_every_job_log_and_need_no_accounting(kind, monkeypatch):
     """docs/cluster.md promises each sbatch job's log in logs/slurm/ (the plugin deletes a
     successful job's unless told), and job states that a cluster without sacct's accounting gives."""
     monkeypatch.setenv("DFLASH_SITE", str(ROOT / "profiles" / "site.yaml"))
-    with open(ROOT / "profiles" / profile / "config.yaml") as f:
+    with open(ROOT / "profiles" / f"slurm-{kind}" / "config.yaml") as f:
         shipped = yte.process_yaml(f, require_use_yte=True)
     assert shipped["slurm-logdir"] == "logs/slurm" and shipped["slurm-keep-successful-logs"] is True
     assert shipped["slurm-status-command"] == "squeue"
     # the test cluster's overlay only adds keys: it replaces none of what the tests should check
     ci = yaml.safe_load((ROOT / "tests" / "slurm-ci" / "config.yaml").read_text())
     assert not set(ci) & set(shipped), set(ci) & set(shipped)
+    # the profile of its folder's kind: the kind's partition, and every GPU of its nodes for train
+    names, train = site(kind), shipped["set-resources"]["train"]
+    assert train["gres"] == f"gpu:{names['gpu_model']}:{node_kinds()[kind]['gpus_per_node']}"
+    assert {r["slurm_partition"] for r in shipped["set-resources"].values() if "gpu_model" in r} == {names["partition"]}
+
+
+def test_each_node_kind_has_its_profile_and_its_site_entry(monkeypatch):
+    """plan.profiles' defaults are the node kinds: a profile folder or a site entry of any other
+    kind, or a kind without either, is a kind half added (docs/cluster.md, adding a node kind)."""
+    kinds = list(node_kinds())
+    folders = {p.name.removeprefix("slurm-") for p in (ROOT / "profiles").glob("slurm-*")}
+    named = set(yaml.safe_load((ROOT / "profiles" / "site.yaml").read_text())) - {"account", "qos", "cpu_partition"}
+    assert set(kinds) == folders == named and {"b200", "rtxpro6000"} <= folders
+    monkeypatch.setenv("DFLASH_SITE", str(ROOT / "profiles" / "site.yaml"))
+    with pytest.raises(SiteError, match=f"unknown node kind 'no-such-kind'.*{', '.join(kinds)} .*adding a node kind"):
+        site("no-such-kind")
+
+
+RECIPE = ("dflash/schemas/config.schema.yaml", "profiles/site.yaml", "profiles/slurm-h200/config.yaml")
+
+
+def test_adding_a_node_kind_is_the_recipe_of_three_files(tmp_path):
+    """docs/cluster.md's recipe, its blocks as written, applied to a copy of the pipeline: the new
+    kind's profile plans a run from the pipeline's folder (the shipped site file's path, no
+    DFLASH_SITE), and `dflash plan` forecasts it from its plan.profiles default."""
+    doc = (ROOT / "docs" / "cluster.md").read_text()
+    section = doc.split("\n## Adding a node kind\n")[1].split("\n## ")[0]
+    blocks = {re.match(r"# ([\w./-]+)", b).group(1): b for b in re.findall(r"```yaml\n(.*?)```", section, re.S)}
+    assert sorted(blocks) == sorted(RECIPE)
+    pipeline = tmp_path / "pipeline"
+    pipeline.mkdir()
+    for name in ("Snakefile", "config.yaml", "rules", "dflash", "profiles", "report", "scripts", "envs"):
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, pipeline / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(ROOT / name, pipeline / name)
+    schema_path, site_path, profile_path = (pipeline / f for f in RECIPE)
+    schema = yaml.safe_load(schema_path.read_text())
+    schema["properties"]["plan"]["properties"]["profiles"]["default"].update(yaml.safe_load(blocks[RECIPE[0]]))
+    schema_path.write_text(yaml.safe_dump(schema, sort_keys=False))
+    site_path.write_text(site_path.read_text() + blocks[RECIPE[1]])
+    profile_path.parent.mkdir()
+    profile_path.write_text(blocks[RECIPE[2]])
+
+    real = real_workdir(tmp_path / "work")
+    env = {**{k: v for k, v in os.environ.items() if k != "DFLASH_SITE"}, "PYTHONPATH": str(pipeline)}
+    run = subprocess.run([sys.executable, "-m", "snakemake", "-s", "Snakefile", "-d", str(tmp_path / "work"), "-n",
+                          "--profile", "profiles/slurm-h200", "--configfile", str(real)],
+                         capture_output=True, text=True, timeout=300, cwd=pipeline, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    jobs = {b.split(":")[0].split()[-1]: b for b in run.stdout.split("rule ")[1:]}
+    assert "slurm_partition=h200" in jobs["serve"] and "gpu_model=h200" in jobs["serve"], jobs["serve"]
+    assert "gres=gpu:h200:8" in jobs["train"] and "runtime=4320," in jobs["train"], jobs["train"]
+    assert "slurm_partition=cpu" in jobs["validate"]
+
+    cfg = yaml.safe_load(REAL.read_text())
+    del cfg["plan"]["profiles"]  # the schema's defaults: every kind
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(cfg))
+    plan = subprocess.run([sys.executable, "-m", "dflash.cli", "plan", "--config", str(tmp_path / "plan.yaml"),
+                           "--target", str(ROOT / "data/demo/target"), "--prompts", "1000",
+                           "--output-tokens", "1e6"], capture_output=True, text=True, timeout=300, cwd=pipeline,
+                          env=env)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert "h200: training on 8 GPUs a node" in plan.stdout and "989 TFLOPS bf16" in plan.stdout, plan.stdout

@@ -19,7 +19,7 @@ FAST = {**os.environ, "DFLASH_PROGRESS_SECONDS": "0.2"}
 STAGE = """\
 import time
 
-from dflash.workflow import progress, start_job
+from dflash.core.workflow import progress, start_job
 
 start_job(snakemake)
 bar = progress(range(12), desc="teach target", unit="step")
@@ -64,14 +64,14 @@ def test_a_stage_under_snakemake_tells_its_progress_on_the_console(tmp_path):
 def in_a_job(code: str, log: Path, seconds: str = "0.2") -> subprocess.CompletedProcess:
     """``code`` after start_job, in a process whose stderr is the console, as Snakemake runs a
     rule script (the object stands in for the one Snakemake hands the script)."""
-    prelude = ("from types import SimpleNamespace\nfrom dflash.workflow import start_job\n"
+    prelude = ("from types import SimpleNamespace\nfrom dflash.core.workflow import start_job\n"
                f"start_job(SimpleNamespace(rule='train', wildcards={{}}, log=[{str(log)!r}], threads=1))\n")
     return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True,
                           env={**os.environ, "DFLASH_PROGRESS_SECONDS": seconds}, cwd=ROOT, timeout=600)
 
 
 def test_progress_lines_can_be_turned_off_and_stay_out_of_the_cli(tmp_path):
-    code = "from dflash.workflow import progress\nfor _ in progress(range(3), desc='spec decode'): pass\n"
+    code = "from dflash.core.workflow import progress\nfor _ in progress(range(3), desc='spec decode'): pass\n"
     off = in_a_job(code, tmp_path / "off.log", seconds="0")
     assert off.returncode == 0 and off.stderr == "", off.stderr
     assert "spec decode: 100%|" in (tmp_path / "off.log").read_text()
@@ -90,7 +90,7 @@ def test_multi_process_training_tells_rank_0s_progress_and_the_failed_rank(tiny_
     (tmp_path / ".drafter.resume" / "step-00000010.pt").mkdir(parents=True)
     cfg = {**TRAIN_CFG, "steps": 20, "log_every": 5, "save_every": 10}
     run = in_a_job(f"""
-        from dflash.launch import train_processes
+        from dflash.train.launch import train_processes
         train_processes(2, [{str(shards[0])!r}], [{str(shards[1])!r}], {str(tiny_target_dir)!r}, {str(out)!r},
                         {cfg!r})
         """, tmp_path / "train.log")
@@ -110,7 +110,7 @@ def test_multi_process_training_tells_rank_0s_progress_and_the_failed_rank(tiny_
 def test_a_failed_server_says_why_on_the_console(tmp_path):
     """The serve rule's launcher: a server that exits at once."""
     launch = config(command=f"{PYTHON} -c \"print('model weights missing'); import sys; sys.exit(3)\"")
-    run = subprocess.run([sys.executable, "-m", "dflash.server", "--service", str(tmp_path / "servers" / "0.json"),
+    run = subprocess.run([sys.executable, "-m", "dflash.generate.server", "--service", str(tmp_path / "servers" / "0.json"),
                           "--model", str(tmp_path), "--served-model-name", "tiny",
                           "--launch", json.dumps(launch["generate"]["server"]["launch"]),
                           "--log", str(tmp_path / "serve.log"), "--server-log", str(tmp_path / "serve.server.log")],
@@ -129,8 +129,8 @@ def test_a_job_stopped_by_sigterm_leaves_no_temp_files(tmp_path):
     code = textwrap.dedent(f"""\
         from types import SimpleNamespace
         import time
-        from dflash.io import atomic_dir, atomic_path
-        from dflash.workflow import start_job
+        from dflash.core.io import atomic_dir, atomic_path
+        from dflash.core.workflow import start_job
         start_job(SimpleNamespace(rule='hidden', wildcards={{}}, log=[{str(log)!r}], threads=1))
         with atomic_path({str(tmp_path / 'shard.safetensors')!r}) as tmp, atomic_dir({str(tmp_path / 'ckpt')!r}, 'checkpoint') as folder:
             tmp.write_text('half'); (folder / 'model.safetensors').write_text('half')

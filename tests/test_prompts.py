@@ -14,9 +14,9 @@ import pytest
 import zstandard
 from jsonschema import Draft202012Validator
 
-import dflash.prompts
-from dflash.io import OUTPUT_MARK, iter_jsonl, read_json, read_jsonl, write_jsonl_zst
-from dflash.prompts import build_prompts, read_source, stratified_order
+import dflash.prompts.stage
+from dflash.core.io import OUTPUT_MARK, iter_jsonl, read_json, read_jsonl, write_jsonl_zst
+from dflash.prompts.stage import build_prompts, read_source, stratified_order
 from tests.helpers import record_errors
 
 
@@ -159,7 +159,7 @@ def test_record_schemas_catch_bad_records():
 
 
 def checks(target, **settings):
-    from dflash.prompt_checks import PromptChecks
+    from dflash.prompts.checks import PromptChecks
 
     return PromptChecks(target[1], **{"context_length": 32768, "max_tokens": 256, "thinking": True,
                                       "special_tokens": "drop", **settings})
@@ -206,7 +206,7 @@ def test_special_tokens_in_content_are_caught(tmp_path, target, action, kept, fl
 
 
 def test_special_tokens_in_tool_calls_and_definitions_too(target):
-    from dflash.prompt_checks import PromptChecks
+    from dflash.prompts.checks import PromptChecks
 
     found = checks(target).special_token
     call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
@@ -353,8 +353,8 @@ def test_synthetic_shards_are_the_fixed_ones_however_streamed(tmp_path, target, 
                                                                bucket_bytes):
     """Screening batches and spill buckets small enough to cut through every source, shard and
     category change nothing of the output."""
-    monkeypatch.setattr(dflash.prompts, "SCREEN_BATCH", batch)
-    monkeypatch.setattr(dflash.prompts, "BUCKET_BYTES", bucket_bytes)
+    monkeypatch.setattr(dflash.prompts.stage, "SCREEN_BATCH", batch)
+    monkeypatch.setattr(dflash.prompts.stage, "BUCKET_BYTES", bucket_bytes)
     manifest = build_prompts(synthetic_sources(tmp_path), tmp_path / "p", 7,
                              checks(target, context_length=8192, special_tokens=action))
     assert output_digest(tmp_path / "p") == SYNTHETIC_DIGEST[action]
@@ -372,11 +372,11 @@ def test_synthetic_shards_are_the_fixed_ones_however_streamed(tmp_path, target, 
 # child's peak RSS from wait4.
 MEMORY_CHILD = textwrap.dedent("""
     import json, sys
-    import dflash.prompts
+    import dflash.prompts.stage
     from transformers import AutoTokenizer
-    from dflash.prompt_checks import PromptChecks
-    from dflash.prompts import build_prompts
-    dflash.prompts.BUCKET_BYTES = 1 << 20  # the stage's 32 MB, scaled down with the input
+    from dflash.prompts.checks import PromptChecks
+    from dflash.prompts.stage import build_prompts
+    dflash.prompts.stage.BUCKET_BYTES = 1 << 20  # the stage's 32 MB, scaled down with the input
     checks = PromptChecks(AutoTokenizer.from_pretrained(sys.argv[3]), 32768, 256, True)
     m = build_prompts([{"name": "s", "path": sys.argv[1], "category": "chat"}], sys.argv[2], 500, checks)
     print(json.dumps({"prompts": m["prompts"]}))
@@ -597,7 +597,7 @@ def test_the_array_reader_holds_one_element_not_the_file(tmp_path):
     element in it), never the file; an element over the bound is read past, counted."""
     import tracemalloc
 
-    from dflash.io import source_records
+    from dflash.core.io import source_records
 
     path = tmp_path / "big.json"
     turn = {"from": "human", "value": "Explain the code below.\n```python\n" + "x = compute(y) + 1\n" * 40 + "```"}

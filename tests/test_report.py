@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from dflash.benchmarks import stage_costs
-from dflash.config import defaults
-from dflash.gates import GateError, run_gates, write_qa_summary
-from dflash.headline import headline_lines
-from dflash.io import read_json, write_json, write_jsonl_zst
-from dflash.pages import write_qa_page
-from dflash.report import config_digest, pipeline_commit, provenance, write_report
-from dflash.storage import safe_to_destroy
-from dflash.validate import validate_shard
+from dflash.report.benchmarks import stage_costs
+from dflash.core.config import defaults
+from dflash.validate.gates import GateError, run_gates, write_qa_summary
+from dflash.report.headline import headline_lines
+from dflash.core.io import read_json, write_json, write_jsonl_zst
+from dflash.report.pages import write_qa_page
+from dflash.report.stage import config_digest, pipeline_commit, provenance, write_report
+from dflash.core.storage import safe_to_destroy
+from dflash.validate.stage import validate_shard
 from tests.test_validate import CFG, GOOD, STORY_LOOP, answer, record, xml
 
 GATES = {"max_reject_rate": 0.5, "max_category_reject_rate": None, "max_trivial_share": 0.5,

@@ -6,8 +6,8 @@ import sys
 
 import yaml
 
-from dflash.io import write_json
-from dflash.run_stamp import STAMP, foreign_run, run_identity, stamp_run
+from dflash.core.io import write_json
+from dflash.core.run_stamp import STAMP, foreign_run, run_identity, stamp_run
 from tests.conftest import ROOT
 from tests.test_prompts import mixed_openai_source
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from dflash.config import ConfigError, check_config
+from dflash.core.config import ConfigError, check_config
 from tests.test_pipeline import snakemake
 from tests.test_profiles import real_workdir
 from tests.test_serve import PYTHON, launcher
@@ -58,7 +58,7 @@ def test_serve_rule_passes_the_launch_env_by_environment_not_command_line(tmp_pa
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     out = snakemake(tmp_path, "--cores", "1", "-p", f"{cfg['output_dir']}/completions/shard-00000.jsonl.zst",
                     check=False)
-    shell = [line for line in out.splitlines() if "-m dflash.server" in line]
+    shell = [line for line in out.splitlines() if "-m dflash.generate.server" in line]
     assert shell and all("--launch" not in line for line in shell), out[-3000:]
     hidden(out, "snakemake's console")
     assert "rule serve (server=0): server exited with 1 before it was healthy" in out, out[-3000:]

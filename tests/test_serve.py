@@ -1,6 +1,6 @@
 """A server the pipeline starts itself (generate.server.launch): config, launcher, plan.
 
-The launcher runs as the serve rule runs it (``python -m dflash.server``) around plain Python
+The launcher runs as the serve rule runs it (``python -m dflash.generate.server``) around plain Python
 processes: ``http.server`` is a real HTTP server that starts in a second, and a command that exits
 at once is the startup failure no inference server produces on demand. The whole lifecycle with a
 real inference server under Snakemake is in ``test_serve_pipeline.py``.
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash.config import ConfigError, check_config
-from dflash.generate import use_started_server
-from dflash.server import LAUNCH_ENV, free_port
+from dflash.core.config import ConfigError, check_config
+from dflash.generate.stage import use_started_server
+from dflash.generate.server import LAUNCH_ENV, free_port
 from tests.conftest import ROOT, demo_slice
 from tests.test_pipeline import snakemake
 
@@ -55,7 +55,7 @@ def launcher(tmp_path: Path, command: str, console=None, **launch) -> subprocess
     """The serve rule's command line, from the package as installed, with the launch spec in the
     environment as the Snakefile passes it; ``console``: the launcher's stderr (default: ours)."""
     spec = {**config(command=command, **launch)["generate"]["server"]["launch"]}
-    return subprocess.Popen([sys.executable, "-m", "dflash.server", "--service", str(tmp_path / "servers" / "0.json"),
+    return subprocess.Popen([sys.executable, "-m", "dflash.generate.server", "--service", str(tmp_path / "servers" / "0.json"),
                              "--model", str(tmp_path / "my model"), "--served-model-name", "tiny",
                              "--log", str(tmp_path / "serve.log"), "--server-log", str(tmp_path / "serve.server.log")],
                             cwd=tmp_path, env={**os.environ, LAUNCH_ENV: json.dumps(spec)}, stderr=console)

@@ -7,7 +7,7 @@ import shlex
 import pytest
 import yaml
 
-from dflash.io import read_jsonl
+from dflash.core.io import read_jsonl
 from tests.helpers import vllm_cpu_command
 from tests.conftest import ROOT, demo_slice
 from tests.test_pipeline import snakemake

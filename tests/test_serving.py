@@ -8,8 +8,9 @@ import json
 import pytest
 
 from dflash.cli import main
-from dflash.io import write_json
-from dflash.serving import serve_commands, serving_problems
+from dflash.core.io import write_json
+from dflash.core.shapes import serving_problems
+from dflash.serve.commands import serve_commands
 
 DRAFTER = {"architectures": ["DFlashDraftModel"], "block_size": 16, "layer_types": ["full_attention"] * 3,
            "dflash_config": {"mask_token_id": 7, "target_layer_ids": [1, 30, 60]}}
@@ -59,7 +60,7 @@ def test_checkpoints_never_carry_a_causal_flag(tmp_path, layer_types):
     import torch
     from transformers import Qwen3Config
 
-    from dflash.drafter import make_draft_config, write_drafter_state
+    from dflash.train.drafter import make_draft_config, write_drafter_state
 
     target = Qwen3Config(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
                          num_key_value_heads=1, head_dim=16, intermediate_size=64)
@@ -72,7 +73,7 @@ def test_checkpoints_never_carry_a_causal_flag(tmp_path, layer_types):
 
 
 def test_eval_through_vllm_needs_a_command_that_serves_the_drafter():
-    from dflash.eval import settings
+    from dflash.eval.stage import settings
 
     assert settings({"engine": "vllm"})["vllm"]["command"].startswith("vllm serve {model} ")
     with pytest.raises(ValueError, match=r"eval.vllm.command lacks \{port\}, \{speculative_config\}"):
@@ -111,7 +112,7 @@ def test_a_drafter_for_another_target_is_refused_in_one_line(tmp_path, capsys):
 def test_the_commands_carry_the_run_server_flags_in_each_engine_spelling(tmp_path):
     """The real config's SGLang launch command: its parsers, parallelism and context length, as
     vLLM and SGLang spell them; SGLang's Hermes parser is vLLM's hermes and back."""
-    from dflash.config import load_config
+    from dflash.core.config import load_config
     from tests.conftest import ROOT
 
     write_json(tmp_path / "ckpt" / "config.json", DRAFTER)
@@ -134,7 +135,7 @@ def test_the_commands_carry_the_run_server_flags_in_each_engine_spelling(tmp_pat
 def test_the_engine_versions_named_are_the_ones_the_tests_install():
     import re
 
-    from dflash.serving import TESTED_WITH
+    from dflash.serve.commands import TESTED_WITH
     from tests.conftest import ROOT
 
     makefile = (ROOT / "Makefile").read_text()

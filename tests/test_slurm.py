@@ -16,9 +16,9 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from dflash.config import load_config
-from dflash.io import read_jsonl
-from dflash.train import drafter_train_cfg, train
+from dflash.core.config import load_config
+from dflash.core.io import read_jsonl
+from dflash.train.stage import drafter_train_cfg, train
 from tests import slurm_cluster
 from tests.conftest import ROOT, demo_slice, small_run_config
 

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.io import read_json
-from dflash.target import build_target, prebuilt_problem, target_job, teaching_digests
+from dflash.core.io import read_json
+from dflash.target.stage import build_target, prebuilt_problem, target_job, teaching_digests
 from tests.conftest import ROOT
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
@@ -135,9 +135,11 @@ def test_a_prebuilt_target_of_another_config_or_changed_is_taught_instead(tmp_pa
 def test_the_target_job_stops_a_drafter_the_target_cannot_carry(tmp_path, demo_config, demo_sources):
     """The demo's target is made by the run itself: its job is the first that can read its config.json,
     so it says what the plan could not (target_layer_ids beyond its 4 layers), before any generate job."""
-    cfg = {**demo_config["target"]["build"], "prebuilt": str(ROOT / demo_config["target"]["build"]["prebuilt"])}
-    drafter = {**demo_config["drafter"], "target_layer_ids": [1, 4]}
+    build = {**demo_config["target"]["build"], "prebuilt": str(ROOT / demo_config["target"]["build"]["prebuilt"])}
+    config = {**demo_config, "target": {**demo_config["target"], "build": build},
+              "prompts": {**demo_config["prompts"], "sources": demo_sources},
+              "drafter": {**demo_config["drafter"], "target_layer_ids": [1, 4]}}
     with pytest.raises(ValueError) as refused:
-        target_job([Path(s["path"]) for s in demo_sources], tmp_path / "target", cfg, drafter)
+        target_job(config, tmp_path / "target")
     assert str(refused.value) == (f"drafter.target_layer_ids: [1, 4] names layer(s) [4] of a target with 4 layers (ids 0 "
                                   f"to 3): pick layers the target has ({tmp_path}/target/config.json)")

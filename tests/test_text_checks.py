@@ -1,4 +1,4 @@
-"""The validate stage's text checks (dflash/text_checks.py) on the shapes real Qwen3.6 completions
+"""The validate stage's text checks (dflash/validate/text_checks.py) on the shapes real Qwen3.6 completions
 take: each code with a record that has the problem and its good twin, in English and Chinese, and
 the good records a naive check would reject."""
 import shutil
@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash.io import read_jsonl, write_jsonl_zst
-from dflash.text_checks import ShardMemory, target_special_tokens
-from dflash.validate import judge, validate_shard
+from dflash.core.io import read_jsonl, write_jsonl_zst
+from dflash.validate.text_checks import ShardMemory, target_special_tokens
+from dflash.validate.stage import judge, validate_shard
 from tests.test_validate import CFG, REASONING, WEATHER, record
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def test_special_tokens_are_the_tokenizers_own(folder, qwen36_like_target):
     """target_special_tokens reads the files; transformers' loaded tokenizer is the reference."""
     from transformers import AutoTokenizer
 
-    from dflash.chat import TokenScreen
+    from dflash.core.chat import TokenScreen
 
     path = DEMO_TARGET if folder == "demo" else qwen36_like_target
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -1,9 +1,9 @@
 import pytest
 from safetensors.torch import load_file
 
-from dflash.chat import split_reasoning
-from dflash.io import read_json, write_jsonl_zst
-from dflash.tokenize import tokenize_shard
+from dflash.core.chat import split_reasoning
+from dflash.core.io import read_json, write_jsonl_zst
+from dflash.tokenize.stage import tokenize_shard
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 
@@ -105,7 +105,7 @@ def test_tool_call_replay_rows_are_token_exact_on_both_paths(tmp_path, tok):
     """A replayed tool conversation (one record per assistant generation, the history as the
     generate stage feeds it back): rows from ids and rows from text agree token for token, and the
     template drops the reasoning of turns before the last user query while keeping the agent loop's."""
-    from dflash.replay import assistant_turn
+    from dflash.generate.replay import assistant_turn
     from tests.test_adopt import PARIS, TOOLS, emitted, turn
 
     history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet."},
@@ -139,8 +139,8 @@ def test_tool_call_replay_rows_are_token_exact_on_both_paths(tmp_path, tok):
 
 @pytest.mark.parametrize("thinking", [True, False])
 def test_windowed_boundary_check_agrees_with_encoding_the_whole_conversation(tok, thinking):
-    from dflash.chat import render_conversation, render_prompt
-    from dflash.tokenize import Encoder
+    from dflash.core.chat import render_conversation, render_prompt
+    from dflash.tokenize.stage import Encoder
 
     enc = Encoder(tok)
     starts = ["Two plus two.", "\nA newline first.", "\n\nTwo newlines.", " A space.", "   \n  mixed", "123 digits",
@@ -161,7 +161,7 @@ def test_windowed_boundary_check_agrees_with_encoding_the_whole_conversation(tok
 @pytest.mark.parametrize("answer", ["\nmerges with the prompt's newline", "\r\nCRLF", "plain", " \n mixed", "\n" * 200 + "x",
                                     "<|im_end|>right away", "\n<tool_call>\n", "'s contraction", "1234"])
 def test_windowed_boundary_check_on_raw_continuations(tok, answer):
-    from dflash.tokenize import Encoder
+    from dflash.tokenize.stage import Encoder
 
     prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     prompt_ids = tok.encode(prompt, add_special_tokens=False)

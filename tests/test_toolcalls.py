@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash.toolcalls import check_tool_calls, json_safe, normalised_parameters, schema_problem
-from dflash.validate import judge
+from dflash.core.toolcalls import check_tool_calls, json_safe, normalised_parameters, schema_problem
+from dflash.validate.stage import judge
 from tests.test_validate import CFG, answer
 
 
@@ -205,9 +205,9 @@ def test_an_xlam_tool_checks_its_calls():
 
 
 def test_an_unresolved_target_format_is_an_error_not_a_guess():
-    """'target' names the target's chat template; only the stage's job (validate_job) can read it.
+    """'target' names the target's chat template; only the stage's job (validate_for_target) can read it.
     Parsed as anything else, XML calls would all be tool_call_unparsed."""
-    with pytest.raises(ValueError, match="validate.validate_job resolves 'target'"):
+    with pytest.raises(ValueError, match="validate.validate_for_target resolves 'target'"):
         check_tool_calls(xml_call("get_weather", {"city": "Paris"}), None, [WEATHER], "target")
 
 
@@ -238,7 +238,7 @@ HERMES_TEMPLATE = ('{%- for tool_call in message.tool_calls %}<tool_call>\n{"nam
     ({"tokenizer_config.json": json.dumps({"chat_template": "{{ messages }}"})}, "auto"),  # writes no calls
 ])
 def test_the_target_template_names_the_tool_call_format(tmp_path, files, expected):
-    from dflash.toolcalls import target_tool_format
+    from dflash.core.toolcalls import target_tool_format
 
     for name, text in files.items():
         (tmp_path / name).write_text(text, encoding="utf-8")
@@ -248,17 +248,17 @@ def test_the_target_template_names_the_tool_call_format(tmp_path, files, expecte
 def test_validate_reads_the_format_from_the_target_by_default(tmp_path):
     """validate.tool_format: target (the default): the demo target's template writes XML calls, so
     a Hermes call from it is one its engine's parser (qwen3_coder) does not read."""
-    from dflash.config import defaults
-    from dflash.io import read_jsonl, write_jsonl_zst
-    from dflash.toolcalls import target_tool_format
-    from dflash.validate import validate_job
+    from dflash.core.config import defaults
+    from dflash.core.io import read_jsonl, write_jsonl_zst
+    from dflash.core.toolcalls import target_tool_format
+    from dflash.validate.stage import validate_for_target
 
     assert target_tool_format(DEMO_TARGET) == "xml"
     hermes = answer('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
     write_jsonl_zst(tmp_path / "c.jsonl.zst", [hermes])
     cfg = defaults("validate")
     assert cfg["tool_format"] == "target"
-    validate_job(tmp_path / "c.jsonl.zst", tmp_path / "v.jsonl.zst", tmp_path / "r.jsonl.zst", tmp_path / "qa.json",
+    validate_for_target(tmp_path / "c.jsonl.zst", tmp_path / "v.jsonl.zst", tmp_path / "r.jsonl.zst", tmp_path / "qa.json",
                  cfg, None, DEMO_TARGET)
     assert read_jsonl(tmp_path / "r.jsonl.zst")[0]["qa"]["reasons"] == ["tool_call_unparsed"]
     with pytest.raises(ValueError, match="no chat_template.jinja or tokenizer_config.json"):

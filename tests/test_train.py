@@ -12,14 +12,14 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
-import dflash.train
-from dflash.drafter import TargetIO, load_drafter
-from dflash.hidden import features_and_greedy
-from dflash.io import OUTPUT_MARK
-from dflash.objective import HeadCE
-from dflash.batches import Batch, Row, add_feature_noise, anchor_candidates, make_batch, sample_anchors
-from dflash.optim import lr_at, make_optimizer
-from dflash.train import draft_loss, resolve_cfg, train
+import dflash.train.stage
+from dflash.train.drafter import TargetIO, load_drafter
+from dflash.hidden.stage import features_and_greedy
+from dflash.core.io import OUTPUT_MARK
+from dflash.train.objective import HeadCE
+from dflash.train.batches import Batch, Row, add_feature_noise, anchor_candidates, make_batch, sample_anchors
+from dflash.train.optim import lr_at, make_optimizer
+from dflash.train.stage import draft_loss, resolve_cfg, train
 from tests.helpers import on_a_small_tmpfs
 from tests.test_drafter import reference  # noqa: F401 (fixture)
 
@@ -268,7 +268,7 @@ def test_chunked_loss_under_bf16_autocast_matches_and_stays_float32():
 # writing 5 to /proc/self/clear_refs) minus the resident size before is what the loss added.
 _PEAK_PROBE = """
 import json, sys, torch
-from dflash.objective import block_loss
+from dflash.train.objective import block_loss
 torch.set_num_threads(1)
 
 def status(key):
@@ -359,10 +359,10 @@ def test_train_is_deterministic_with_or_without_prefetch(tiny_target_dir, shards
 
 @pytest.mark.parametrize("adjust", ["match_rms_adamw", "original", None])
 def test_muon_on_a_cpu_takes_torch_s_step_in_float32(adjust):
-    """dflash.optim.Muon off CUDA: torch's update (momentum, Nesterov, Newton-Schulz, lr adjustment,
+    """dflash.train.optim.Muon off CUDA: torch's update (momentum, Nesterov, Newton-Schulz, lr adjustment,
     decay) with the orthogonalization in float32, so it differs from torch's by the rounding of
     torch's bfloat16 only; the same state, so the two load each other's."""
-    from dflash.optim import Muon
+    from dflash.train.optim import Muon
 
     torch.manual_seed(0)
     start = [torch.randn(96, 128), torch.randn(256, 64)]  # wide and tall
@@ -457,18 +457,18 @@ def test_failed_run_resumes_to_the_same_weights_while_prefetching(tiny_target_di
 
 def interrupted_at(step: int, monkeypatch, run, *args, **kwargs):
     """``run(*args, **kwargs)`` with the training failing as it starts step ``step`` (0-based)."""
-    lr_at = dflash.train.lr_at
+    lr_at = dflash.train.stage.lr_at
 
     def fail(at, *more):
         if at == step:
             raise RuntimeError("interrupted")
         return lr_at(at, *more)
 
-    monkeypatch.setattr(dflash.train, "lr_at", fail)
+    monkeypatch.setattr(dflash.train.stage, "lr_at", fail)
     try:
         return run(*args, **kwargs)
     finally:
-        monkeypatch.setattr(dflash.train, "lr_at", lr_at)
+        monkeypatch.setattr(dflash.train.stage, "lr_at", lr_at)
 
 
 def _rewrite(path: Path, out: Path, tensors: dict | None = None, metadata: dict | None = None) -> Path:
@@ -539,7 +539,7 @@ def test_trained_checkpoint_gives_the_reference_its_draft_logits(reference, tiny
 
 
 def test_the_pilots_training_burst_keeps_a_step_rate_and_no_drafter(tiny_target_dir, shards, tmp_path):
-    from dflash.burst import train_burst
+    from dflash.plan.burst import train_burst
 
     tok, hid = shards
     out = tmp_path / "pilot" / "train_burst.json"
@@ -554,8 +554,8 @@ def test_the_pilots_training_burst_keeps_a_step_rate_and_no_drafter(tiny_target_
 def test_a_pilot_with_nothing_to_train_on_skips_the_burst(tiny_target_dir, tmp_path):
     """Every pilot record rejected leaves no row to anchor a block: the burst says so and the plan
     prices training without it, instead of failing the pilot whose summary shows why."""
-    from dflash.burst import train_burst
-    from dflash.pilot import pilot_lines
+    from dflash.plan.burst import train_burst
+    from dflash.plan.pilot import pilot_lines
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
     tok, hid = write_shards(target, tmp_path / "data", [([9, 10, 11], [0, 1, 0])], LAYER_IDS)
@@ -613,7 +613,7 @@ def test_a_second_training_of_one_output_is_refused_while_the_first_holds_its_re
         tiny_target_dir, shards, tmp_path):
     import os
 
-    from dflash.train_resume import held_resume_dir
+    from dflash.train.resume import held_resume_dir
 
     resume = tmp_path / ".out.resume"
     with held_resume_dir(resume, tmp_path / "out"):  # the first training, here in this process
@@ -642,7 +642,7 @@ def test_a_diverging_training_stops_and_writes_no_nan(tiny_target_dir, shards, t
 def test_a_non_finite_step_is_skipped_and_the_run_goes_on(tiny_target_dir, shards, tmp_path, monkeypatch):
     """One bad batch (a fake: no real part gives one NaN step on demand) is not applied: the run
     ends like a run of the other steps, and says it skipped one."""
-    real = dflash.train.draft_loss
+    real = dflash.train.stage.draft_loss
     calls = []
 
     def nan_at_the_second_step(*args, **kwargs):
@@ -650,7 +650,7 @@ def test_a_non_finite_step_is_skipped_and_the_run_goes_on(tiny_target_dir, shard
         calls.append(1)
         return (loss * float("nan"), parts) if len(calls) == 2 else (loss, parts)
 
-    monkeypatch.setattr(dflash.train, "draft_loss", nan_at_the_second_step)
+    monkeypatch.setattr(dflash.train.stage, "draft_loss", nan_at_the_second_step)
     cfg = {**TRAIN_CFG, "steps": 4, "log_every": 1}
     summary = train([shards[0]], [shards[1]], tiny_target_dir, tmp_path / "out", cfg)
     state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
@@ -674,7 +674,7 @@ def test_a_drafter_with_nan_weights_is_refused(tiny_target_dir, shards, tmp_path
 _SIGTERMED = """
 import sys, json
 from pathlib import Path
-from dflash.train import train
+from dflash.train.stage import train
 tok, hid, target, out = map(Path, sys.argv[1:5])
 train([tok], [hid], target, out, json.loads(sys.argv[5]))
 """
@@ -721,8 +721,8 @@ def test_a_stop_signal_writes_a_fresh_resume_point_and_the_rerun_ends_with_the_s
 _FULL_DISK = """
 import sys, torch
 from pathlib import Path
-from dflash.errors import describe
-from dflash.train_resume import save_resume_point
+from dflash.core.errors import describe
+from dflash.train.resume import save_resume_point
 try:
     save_resume_point(Path("/mnt/.out.resume"), {"step": 3, "model": {"w": torch.randn(100_000)}})
 except OSError as e:

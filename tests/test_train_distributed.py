@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash.drafter import load_drafter
+from dflash.train.drafter import load_drafter
 from tests.test_train import TRAIN_CFG, shards, tiny_target_dir  # noqa: F401 (fixtures)
 
 
 def torchrun(shards, target, out, cfg, wait=True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dflash.train",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dflash.train.stage",
            "--cfg", json.dumps(cfg), "--tokenized", str(shards[0]), "--hidden", str(shards[1]),
            "--target", str(target), "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -52,7 +52,7 @@ def test_ddp_and_fsdp_train_the_drafter_one_process_trains_on_the_global_batch(t
         assert state["processes"] == 2 and state["final_loss"] < state["first_loss"]
         load_drafter(tmp_path / parallel)  # a complete checkpoint in the reference layout
     for name, run in (("one", {}), ("init", {"steps": 1, "lr": 1e-30})):  # init: the weights before training
-        one = subprocess.run([sys.executable, "-m", "dflash.train", "--cfg",
+        one = subprocess.run([sys.executable, "-m", "dflash.train.stage", "--cfg",
                               json.dumps({**cfg, "batch_size": 2 * cfg["batch_size"], **run}),
                               "--tokenized", str(shards[0]), "--hidden", str(shards[1]),
                               "--target", str(tiny_target_dir), "--out", str(tmp_path / name)],
@@ -105,7 +105,7 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step(tiny_tar
     while not logs() or len(logs()[0].read_text().splitlines()) < 2:
         assert run.poll() is None and time.time() < deadline
         time.sleep(0.05)
-    pids = subprocess.run(["pgrep", "-f", f"dflash.train .*{tmp_path / 'stopped'}"], capture_output=True,
+    pids = subprocess.run(["pgrep", "-f", f"dflash.train.stage .*{tmp_path / 'stopped'}"], capture_output=True,
                           text=True).stdout.split()
     ranks = {int(dict(v.split("=", 1) for v in open(f"/proc/{pid}/environ").read().split("\0") if "=" in v)
                   .get("RANK", -1)): int(pid) for pid in pids}
@@ -128,13 +128,13 @@ def test_two_nodes_train_as_one_process_on_the_global_batch(tiny_target_dir, sha
     test's tolerance (AdamW: float rounding), replicated or sharded."""
     import socket
 
-    from dflash.launch import torchrun_args
+    from dflash.train.launch import torchrun_args
 
     cfg = {**TRAIN_CFG, "steps": 20, "log_every": 5, "optimizer": "adamw", "parallel": parallel}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = ["-m", "dflash.train", "--cfg", json.dumps(cfg), "--tokenized", str(shards[0]), "--hidden", str(shards[1]),
+    args = ["-m", "dflash.train.stage", "--cfg", json.dumps(cfg), "--tokenized", str(shards[0]), "--hidden", str(shards[1]),
             "--target", str(tiny_target_dir), "--out", str(tmp_path / "nodes")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run",
@@ -143,7 +143,7 @@ def test_two_nodes_train_as_one_process_on_the_global_batch(tiny_target_dir, sha
     outs = [node.communicate(timeout=600)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outs)
     assert json.loads((tmp_path / "nodes" / "trainer_state.json").read_text())["processes"] == 2
-    one = subprocess.run([sys.executable, "-m", "dflash.train", "--cfg",
+    one = subprocess.run([sys.executable, "-m", "dflash.train.stage", "--cfg",
                           json.dumps({**cfg, "batch_size": 2 * cfg["batch_size"]}), *args[4:-1], str(tmp_path / "one")],
                          env=env, capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]
@@ -154,7 +154,7 @@ def test_two_nodes_train_as_one_process_on_the_global_batch(tiny_target_dir, sha
 
 
 def test_several_nodes_need_a_slurm_allocation_of_them(tiny_target_dir, shards, tmp_path, monkeypatch):  # noqa: F811
-    from dflash.launch import train_processes
+    from dflash.train.launch import train_processes
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     with pytest.raises(RuntimeError, match=r"train\.nodes is 2: the train job must run in a SLURM allocation of 2 "

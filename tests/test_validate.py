@@ -2,10 +2,10 @@ import json
 
 import pytest
 
-from dflash.config import completed
-from dflash.io import read_json, read_jsonl, write_jsonl_zst
-from dflash.toolcalls import parse_tool_calls
-from dflash.validate import CHECKS, judge, substance_tokens, validate_shard
+from dflash.core.config import completed
+from dflash.core.io import read_json, read_jsonl, write_jsonl_zst
+from dflash.core.toolcalls import parse_tool_calls
+from dflash.validate.stage import CHECKS, judge, substance_tokens, validate_shard
 
 CFG = completed({"trivial_min_tokens": 16, "checks": {code: "reject" for code in CHECKS},
                  "repetition": {"min_repeats": 4, "min_chars": 200}, "tool_format": "auto"}, "validate")
@@ -186,7 +186,7 @@ def test_unknown_check_in_config_is_an_error(tmp_path):
 
 
 def test_excluded_ids_are_rejected_with_their_reason(tmp_path):
-    from dflash.validate import read_exclusions
+    from dflash.validate.stage import read_exclusions
 
     (tmp_path / "ids.txt").write_text("# by hand\nt\n\nl-g1  # second step\n")
     (tmp_path / "ids.jsonl").write_text('{"id": "r", "reason": "leaked eval prompt"}\n')
@@ -211,7 +211,7 @@ def test_excluded_ids_are_rejected_with_their_reason(tmp_path):
 @pytest.mark.parametrize("line, message", [("a b", "one sample id per line"), ('{"reason": "x"}', 'string "id"'),
                                            ("{oops", "not valid JSON"), ('{"id": ' + "[" * 5000, "nested too deeply")])
 def test_bad_exclusion_line_names_file_and_line(tmp_path, line, message):
-    from dflash.validate import read_exclusions
+    from dflash.validate.stage import read_exclusions
 
     path = tmp_path / ("x.jsonl" if line.startswith("{") else "x.txt")
     path.write_text(f"ok\n{line}\n" if path.suffix == ".txt" else f'{{"id": "ok"}}\n{line}\n')
@@ -220,7 +220,7 @@ def test_bad_exclusion_line_names_file_and_line(tmp_path, line, message):
 
 
 def test_exclusions_map_to_the_prompt_shards_holding_them(tmp_path):
-    from dflash.validate import exclusions_by_shard
+    from dflash.validate.stage import exclusions_by_shard
 
     (tmp_path / "ids.tsv").write_text("a\t00000\nb\t00001\n")
     by_shard, unknown = exclusions_by_shard({"a": "x", "b-g2": "y", "zz": "z"}, tmp_path)
@@ -248,7 +248,7 @@ def test_qa_shows_examples_around_the_problem_and_length_statistics(tmp_path):
 
 
 def test_kept_lines_are_the_input_lines_plus_qa(tmp_path):
-    from dflash.io import dumps_line, with_field
+    from dflash.core.io import dumps_line, with_field
 
     rec = {"id": "é", "text": 'a "quoted"\n\u2028 line'}
     line = dumps_line(rec)
@@ -258,7 +258,7 @@ def test_kept_lines_are_the_input_lines_plus_qa(tmp_path):
 
 
 def test_token_ids_pass_through_unparsed_and_a_lookalike_in_text_is_harmless(tmp_path):
-    from dflash.io import iter_jsonl_lines
+    from dflash.core.io import iter_jsonl_lines
 
     tricky = {**GOOD, "id": "tricky", "content": GOOD["content"] + ' , "output_token_ids": [1, 2] ]'}
     first = {"output_token_ids": [7, 8], **GOOD, "id": "first"}  # the key first: no ", " before it
@@ -284,7 +284,7 @@ def test_a_duplicated_id_is_refused_and_nothing_written(tmp_path):
 
 
 def test_an_exclusion_list_saved_with_a_bom_keeps_its_first_id(tmp_path):
-    from dflash.validate import read_exclusions
+    from dflash.validate.stage import read_exclusions
 
     (tmp_path / "ids.txt").write_bytes("\ufefffirst\nsecond\n".encode())
     (tmp_path / "ids.jsonl").write_bytes('\ufeff{"id": "third", "reason": "leaked"}\n'.encode())

@@ -1,0 +1,2 @@
+"""Stage 9, report: the run's HTML pages and summary.json (stage, pages), their headline figures
+(headline), inline SVG charts (charts) and the benchmarks' figures (benchmarks)."""
