@@ -241,7 +241,7 @@ def progress(iterable=None, **kwargs):
         return tqdm(iterable, **kwargs)
     # a loop over the bar only calls update() when the bar redraws
     kwargs["mininterval"] = min(kwargs["mininterval"], every)
-    return _console_bar()(iterable, console=console, every=every, job=os.environ[JOB], **kwargs)
+    return ConsoleBar(iterable, console=console, every=every, job=os.environ[JOB], **kwargs)
 
 
 def progress_seconds() -> float:
@@ -256,51 +256,47 @@ def progress_seconds() -> float:
     return seconds
 
 
-@functools.cache
-def _console_bar():
-    class ConsoleBar(tqdm):
-        """The bar in the job's log, and its story in plain lines on the console."""
+class ConsoleBar(tqdm):
+    """The bar in the job's log, and its story in plain lines on the console."""
 
-        def __init__(self, iterable=None, *, console, every: float, job: str, **kwargs):
-            self._console = None  # a disabled bar (training's other ranks) says nothing
-            super().__init__(iterable, **kwargs)
-            if not self.disable:
-                self._console, self._every, self._job = console, every, job
-                self._said = self._time()
-                self._say(f"{self._done()}, {'resumed' if self.n else 'started'}")
+    def __init__(self, iterable=None, *, console, every: float, job: str, **kwargs):
+        self._console = None  # a disabled bar (training's other ranks) says nothing
+        super().__init__(iterable, **kwargs)
+        if not self.disable:
+            self._console, self._every, self._job = console, every, job
+            self._said = self._time()
+            self._say(f"{self._done()}, {'resumed' if self.n else 'started'}")
 
-        def update(self, n=1):
-            shown = super().update(n)
-            if self._console is not None and self._time() - self._said >= self._every:
-                self._said = self._time()
-                d = self.format_dict
-                rate = d["rate"] or self._average_rate()
-                eta = f", ETA {clock((self.total - self.n) / rate)}" if rate and self.total else ""
-                self._say(f"{self._done()}, {rate_text(rate, self.unit)}{eta}" if rate else self._done())
-            return shown
+    def update(self, n=1):
+        shown = super().update(n)
+        if self._console is not None and self._time() - self._said >= self._every:
+            self._said = self._time()
+            d = self.format_dict
+            rate = d["rate"] or self._average_rate()
+            eta = f", ETA {clock((self.total - self.n) / rate)}" if rate and self.total else ""
+            self._say(f"{self._done()}, {rate_text(rate, self.unit)}{eta}" if rate else self._done())
+        return shown
 
-        def close(self):
-            if self._console is not None and not self.disable:
-                ended = "done in" if not self.total or self.n >= self.total else "stopped after"
-                rate = self._average_rate()
-                self._say(f"{self._done()} {ended} {clock(self.format_dict['elapsed'])}"
-                          + (f", {rate_text(rate, self.unit)}" if rate else ""))
-                self._console = None
-            super().close()
+    def close(self):
+        if self._console is not None and not self.disable:
+            ended = "done in" if not self.total or self.n >= self.total else "stopped after"
+            rate = self._average_rate()
+            self._say(f"{self._done()} {ended} {clock(self.format_dict['elapsed'])}"
+                      + (f", {rate_text(rate, self.unit)}" if rate else ""))
+            self._console = None
+        super().close()
 
-        def _done(self) -> str:
-            units = plural(self.unit)
-            if self.total:
-                return f"{self.n:,}/{self.total:,} {units} ({int(100 * self.n / self.total)}%)"
-            return f"{self.n:,} {units}"
+    def _done(self) -> str:
+        units = plural(self.unit)
+        if self.total:
+            return f"{self.n:,}/{self.total:,} {units} ({int(100 * self.n / self.total)}%)"
+        return f"{self.n:,} {units}"
 
-        def _average_rate(self) -> float | None:
-            elapsed = self.format_dict["elapsed"]
-            return (self.n - self.initial) / elapsed if elapsed and self.n > self.initial else None
+    def _average_rate(self) -> float | None:
+        elapsed = self.format_dict["elapsed"]
+        return (self.n - self.initial) / elapsed if elapsed and self.n > self.initial else None
 
-        def _say(self, text: str) -> None:
-            postfix = ", ".join(p.replace("=", " ", 1) for p in (self.postfix or "").split(", ") if p)
-            print(f"[{self._job}] {self.desc} {text}" + (f", {postfix}" if postfix else ""), file=self._console,
-                  flush=True)
-
-    return ConsoleBar
+    def _say(self, text: str) -> None:
+        postfix = ", ".join(p.replace("=", " ", 1) for p in (self.postfix or "").split(", ") if p)
+        print(f"[{self._job}] {self.desc} {text}" + (f", {postfix}" if postfix else ""), file=self._console,
+              flush=True)
